@@ -1,0 +1,148 @@
+"""The per-step batch description the model reads, and the cache interface behind it.
+
+One model step runs a flat run of tokens: the new tokens of B sequences, concatenated in batch
+order. ``ForwardBatch`` says how many tokens each sequence brings (``query_lens``) and how many it
+already has cached (``cached_lens``); ``SequenceCache`` is where the KDA states and the MLA latents
+of those B sequences live. The model never knows whether that storage is a per-request tensor
+(``SimpleCache``, the reference) or pages of the engine's shared pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from tidal.config import ModelConfig
+
+
+class SequenceCache(Protocol):
+    """Cache storage for the B sequences of one step, indexed by batch position."""
+
+    def kda_state(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [B, 3P, W-1] model dtype, recurrent [B, H, K, V] float32) before this step."""
+        ...
+
+    def set_kda_state(self, kda_layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Store the states after this step (same shapes as :meth:`kda_state`)."""
+        ...
+
+    def mla_write(self, mla_layer: int, latents: torch.Tensor) -> None:
+        """Append this step's latents [T, kv_lora_rank + rope] (T = sum of query_lens)."""
+        ...
+
+    def mla_read(self, mla_layer: int, seq: int) -> torch.Tensor:
+        """All latents of sequence ``seq`` including this step's: [cached_len + query_len, C]."""
+        ...
+
+
+@dataclass
+class ForwardBatch:
+    """Token layout of one step. ``input_ids`` given to the model is the concatenation of the
+    sequences' new tokens, ``query_lens[b]`` of them for sequence b, which already has
+    ``cached_lens[b]`` tokens in ``cache``."""
+
+    query_lens: list[int]
+    cached_lens: list[int]
+    cache: SequenceCache
+    _cu: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.query_lens) != len(self.cached_lens):
+            raise ValueError("query_lens and cached_lens differ in length")
+        cu = [0]
+        for n in self.query_lens:
+            cu.append(cu[-1] + n)
+        self._cu = cu
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._cu[-1]
+
+    @property
+    def cu_seqlens(self) -> list[int]:
+        """Start offsets of each sequence in the flat token run, plus the total at the end."""
+        return self._cu
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence brings exactly one token and has a history (pure decode step)."""
+        return all(n == 1 for n in self.query_lens)
+
+    def token_slice(self, seq: int) -> slice:
+        return slice(self._cu[seq], self._cu[seq + 1])
+
+    def last_token_indices(self) -> list[int]:
+        """Index in the flat run of each sequence's last new token (whose logits sample next)."""
+        return [self._cu[b + 1] - 1 for b in range(self.num_seqs)]
+
+
+class SimpleCache:
+    """Reference cache: plain per-sequence tensors that grow with every step.
+
+    Used by tests, the offline reference path and anywhere paging does not matter.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_seqs: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.num_seqs = num_seqs
+        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.kda_conv = [
+            torch.zeros(num_seqs, *config.kda_conv_state_shape, dtype=dtype, device=device)
+            for _ in range(config.num_kda_layers)
+        ]
+        self.kda_recurrent = [
+            torch.zeros(num_seqs, *config.kda_recurrent_state_shape, dtype=state_dtype, device=device)
+            for _ in range(config.num_kda_layers)
+        ]
+        empty = torch.zeros(0, config.mla_cache_width, dtype=dtype, device=device)
+        self.mla = [[empty] * num_seqs for _ in range(config.num_mla_layers)]
+        self._query_lens: list[int] = []
+
+    def bind(self, batch: ForwardBatch) -> None:
+        """Tell the cache the layout of the step about to run (needed to split mla_write)."""
+        if batch.num_seqs != self.num_seqs:
+            raise ValueError(f"batch has {batch.num_seqs} sequences, cache holds {self.num_seqs}")
+        self._query_lens = list(batch.query_lens)
+
+    def seq_len(self, seq: int) -> int:
+        return self.mla[0][seq].shape[0] if self.mla else -1
+
+    def kda_state(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kda_conv[kda_layer], self.kda_recurrent[kda_layer]
+
+    def set_kda_state(self, kda_layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.kda_conv[kda_layer] = conv
+        self.kda_recurrent[kda_layer] = recurrent
+
+    def mla_write(self, mla_layer: int, latents: torch.Tensor) -> None:
+        parts = torch.split(latents, self._query_lens)
+        layer = self.mla[mla_layer]
+        for b, part in enumerate(parts):
+            layer[b] = torch.cat([layer[b], part.to(layer[b].dtype)])
+
+    def mla_read(self, mla_layer: int, seq: int) -> torch.Tensor:
+        return self.mla[mla_layer][seq]
+
+
+def simple_batch(
+    config: ModelConfig,
+    query_lens: list[int],
+    cache: SimpleCache,
+    cached_lens: list[int],
+) -> ForwardBatch:
+    """A ForwardBatch over a SimpleCache, bound and ready to run."""
+    batch = ForwardBatch(query_lens=list(query_lens), cached_lens=list(cached_lens), cache=cache)
+    cache.bind(batch)
+    return batch

@@ -1,0 +1,119 @@
+"""The Kimi-K3 / Kimi Linear language model: embed -> [KDA | MLA] x [MLP | MoE] (+AttnRes) -> norm -> lm_head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tidal.config import ModelConfig
+from tidal.model.attn_res import apply_attn_res, attn_res_params
+from tidal.model.context import ForwardBatch
+from tidal.model.kda import KimiDeltaAttention
+from tidal.model.layers import RMSNorm, compute_dtype, linear
+from tidal.model.mla import KimiMLA
+from tidal.model.moe import KimiMLP, KimiMoE
+
+# Parameters kept in float32 (float64 in a float64 model) whatever the model dtype.
+FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")
+
+
+class KimiDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer = layer
+        d = config.hidden_size
+        if config.is_kda_layer(layer):
+            self.self_attn: nn.Module = KimiDeltaAttention(config, config.kda_index(layer))
+        else:
+            self.self_attn = KimiMLA(config, config.mla_index(layer))
+        if config.is_moe_layer(layer):
+            self.block_sparse_moe = KimiMoE(config)
+        else:
+            self.mlp = KimiMLP(config, d, config.intermediate_size)
+        self.input_layernorm = RMSNorm(d, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps)
+        if config.attn_res_block_size:
+            attn_res_params(self, "self_attention_res", d)
+            attn_res_params(self, "mlp_res", d)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return ffn(self.post_attention_layernorm(x))
+
+    def attention(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(x), batch)
+
+
+class KimiModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.layers = nn.ModuleList(KimiDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        if config.attn_res_block_size:
+            attn_res_params(self, "output_attn_res", d)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids [T] (the batch's new tokens, concatenated) -> final-normed hidden [T, d]."""
+        h = self.embed_tokens(input_ids)
+        if self.config.attn_res_block_size:
+            h = self._forward_attn_res(h, batch)
+        else:
+            for layer in self.layers:
+                h = h + layer.attention(h, batch)
+                h = h + layer.feed_forward(h)
+        return self.norm(h)
+
+    def _forward_attn_res(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Block AttnRes control flow, spec §4.3: blocks B, partial sum P (None = empty)."""
+        eps = self.config.rms_norm_eps
+        size = self.config.attn_res_block_size
+        blocks: list[torch.Tensor] = []
+        partial: torch.Tensor | None = h
+        for i, layer in enumerate(self.layers):
+            assert partial is not None
+            a = apply_attn_res(layer, "self_attention_res", partial, blocks, eps)
+            if i % size == 0:
+                blocks.append(partial)
+                partial = None
+            out = layer.attention(a, batch)
+            partial = out if partial is None else partial + out
+            m = apply_attn_res(layer, "mlp_res", partial, blocks, eps)
+            partial = partial + layer.feed_forward(m)
+        assert partial is not None
+        return apply_attn_res(self, "output_attn_res", partial, blocks, eps)
+
+
+class KimiForCausalLM(nn.Module):
+    """State-dict names equal Kimi Linear's checkpoint names (``model.*``, ``lm_head.weight``);
+    Kimi-K3 checkpoints add the ``language_model.`` prefix (handled by the loader)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = KimiModel(config)
+        self.lm_head = linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in float32 (float64 for a float64 model)."""
+        return self.lm_head(hidden).to(compute_dtype(hidden.dtype))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def to_dtype(self, dtype: torch.dtype) -> "KimiForCausalLM":
+        """Cast to ``dtype``, keeping FP32_PARAMS in float32 (or wider)."""
+        keep = compute_dtype(dtype)
+        for name, p in self.named_parameters():
+            target = keep if name.rsplit(".", 1)[-1] in FP32_PARAMS else dtype
+            p.data = p.data.to(target)
+        return self
