@@ -30,11 +30,8 @@ def kernel_inputs(gen: torch.Generator, batch: int, queries: int, length: int):
 # ---- kernels ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("length", [1, 2, 7, 33])
-@pytest.mark.parametrize("queries", [1, 3])
+@pytest.mark.parametrize(("length", "queries"), [(1, 1), (2, 1), (7, 1), (33, 1), (3, 3), (7, 3), (33, 5)])
 def test_absorbed_matches_naive(length: int, queries: int) -> None:
-    if queries > length:
-        pytest.skip("more queries than positions")
     gen = torch.Generator().manual_seed(length * 10 + queries)
     q_nope, q_pe, latents, w = kernel_inputs(gen, 1, queries, length)
     naive = mla_naive_attention(q_nope[0], q_pe[0], latents[0], w, SCALE)

@@ -98,8 +98,9 @@ def mla_absorbed_attention(
     lengths = lengths.to(device=latents.device, dtype=torch.long)
     key_pos = torch.arange(Lmax, device=latents.device)
     query_pos = lengths[:, None] - Q + torch.arange(Q, device=latents.device)  # [B, Q]
-    allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < lengths[:, None, None])
-    probs = scores.masked_fill(~allowed[:, :, None, :], float("-inf")).softmax(dim=-1)
+    # Every query sits before its sequence's end, so the causal mask also hides the padding.
+    future = key_pos[None, None, :] > query_pos[:, :, None]  # [B, Q, Lmax]
+    probs = scores.masked_fill(future[:, :, None, :], float("-inf")).softmax(dim=-1)
     r = w_uk.shape[-1]
     o_lat = torch.bmm(probs.view(B, Q * n, Lmax), kv[..., :r]).view(B, Q, n, r)
     return torch.einsum("bqnr,nvr->bqnv", o_lat, w_uv).to(q_nope.dtype)
