@@ -1,0 +1,324 @@
+"""Checkpoint writer -> loader round trips and every bad-checkpoint error."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from tidal import presets
+from tidal.config import ConfigError
+from tidal.model import checkpoint
+from tidal.model.checkpoint import KINDS, CheckpointError, expected_tensors, load_model, save_model
+from tidal.model.kimi import KimiForCausalLM
+from tidal.ops.mxfp import fake_quantize_mxfp4
+
+EXPERT = re.compile(r"experts\.w[123]$")
+
+
+def random_model(config, dtype=torch.bfloat16, seed=0) -> KimiForCausalLM:
+    torch.manual_seed(seed)
+    model = KimiForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    return model.to_dtype(dtype)
+
+
+def expected_state(model, mxfp4: bool) -> dict[str, torch.Tensor]:
+    state = model.state_dict()
+    if mxfp4:
+        state = {k: fake_quantize_mxfp4(v) if EXPERT.search(k) else v for k, v in state.items()}
+    return state
+
+
+def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype, k
+        assert torch.equal(got[k], want[k]), k
+
+
+CASES = {
+    "k3_mxfp4": (lambda: presets.tiny_k3(), torch.bfloat16),
+    "k3_dense_bf16": (lambda: presets.tiny_k3(mxfp4=False), torch.bfloat16),
+    "k3_dense_fp32": (lambda: presets.tiny_k3(mxfp4=False), torch.float32),
+    "k3_no_attn_res": (lambda: presets.tiny_k3(attn_res_block_size=None), torch.bfloat16),
+    "kimi_linear": (lambda: presets.tiny_kimi_linear(), torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("case", list(CASES))
+def test_round_trip(tmp_path, case, sharded):
+    make_config, dtype = CASES[case]
+    config = make_config()
+    model = random_model(config, dtype)
+    save_model(model, tmp_path, max_shard_bytes=30_000 if sharded else None)
+    loaded = load_model(tmp_path, dtype=dtype)
+    mxfp4 = config.expert_format == "mxfp4-pack-quantized"
+    assert loaded.config == model.config.replace(torch_dtype=str(dtype).removeprefix("torch."))
+    assert_same_state(loaded.state_dict(), expected_state(model, mxfp4))
+
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    if sharded:
+        index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+        assert len(files) > 2 and sorted(set(index["weight_map"].values())) == files
+    else:
+        assert files == ["model.safetensors"]
+    names = {}
+    for f in files:
+        with safe_open(str(tmp_path / f), "pt") as h:
+            names.update({k: (h.get_slice(k).get_shape(), h.get_slice(k).get_dtype()) for k in h.keys()})
+    prefix = "language_model." if config.model_type == "kimi_k3" else ""
+    assert all(k.startswith(prefix + "model.") or k == prefix + "lm_head.weight" for k in names)
+    assert set(names) == set(expected_tensors(model.config.replace(torch_dtype=str(dtype)[6:])))
+    H, I = config.kda_num_heads, config.moe_intermediate_size
+    a_log = names[prefix + "model.layers.0.self_attn.A_log"]
+    assert a_log == (([H], "F32") if config.model_type == "kimi_k3" else ([1, 1, H, 1], "F32"))
+    moe_layer = next(i for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
+    stem = f"{prefix}model.layers.{moe_layer}.block_sparse_moe.experts.{config.num_experts - 1}"
+    d_e = config.expert_hidden_size
+    if mxfp4:
+        assert names[stem + ".w1.weight_packed"] == ([I, d_e // 2], "U8")
+        assert names[stem + ".w2.weight_scale"] == ([d_e, I // 32], "U8")
+        assert prefix + f"model.layers.{moe_layer}.block_sparse_moe.experts.0.w1.weight" not in names
+    else:
+        assert names[stem + ".w2.weight"] == ([d_e, I], "BF16" if dtype == torch.bfloat16 else "F32")
+    if config.model_type == "kimi_k3":
+        conv = names[prefix + "model.layers.0.self_attn.q_conv1d.weight"]
+        assert conv[1] == "F32"
+    cfg_json = json.loads((tmp_path / "config.json").read_text())
+    text = cfg_json.get("text_config", cfg_json)
+    assert ("quantization_config" in text) == mxfp4
+
+
+def test_loading_converts_dtype_like_to_dtype(tmp_path):
+    model = random_model(presets.tiny_k3(mxfp4=False), torch.float32)
+    save_model(model, tmp_path)
+    loaded = load_model(tmp_path, dtype=torch.bfloat16)
+    want = random_model(presets.tiny_k3(mxfp4=False), torch.float32).to_dtype(torch.bfloat16).state_dict()
+    assert_same_state(loaded.state_dict(), want)
+    assert loaded.model.layers[0].self_attn.A_log.dtype == torch.float32
+
+
+def test_mxfp4_export_of_a_dense_model(tmp_path):
+    model = random_model(presets.tiny_k3(mxfp4=False), torch.float32)
+    save_model(model, tmp_path, expert_format="mxfp4-pack-quantized", dtype=torch.bfloat16)
+    loaded = load_model(tmp_path, dtype=torch.float32)
+    assert loaded.config.expert_format == "mxfp4-pack-quantized"
+    w = model.model.layers[1].block_sparse_moe.experts.w2
+    assert torch.equal(loaded.model.layers[1].block_sparse_moe.experts.w2, fake_quantize_mxfp4(w))
+    emb = model.model.embed_tokens.weight.to(torch.bfloat16).float()
+    assert torch.equal(loaded.model.embed_tokens.weight, emb)
+
+
+def test_tied_embeddings_omit_lm_head(tmp_path):
+    config = presets.tiny_kimi_linear().replace(tie_word_embeddings=True)
+    model = random_model(config)
+    save_model(model, tmp_path)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    loaded = load_model(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert_same_state(loaded.state_dict(), model.state_dict())
+
+
+def rewrite(path, change):
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_k3_a_log_longer_than_heads_reads_first_values(tmp_path):
+    config = presets.tiny_k3()
+    model = random_model(config)
+    save_model(model, tmp_path)
+    name = "language_model.model.layers.1.self_attn.A_log"
+    H = config.kda_num_heads
+    longer = torch.randn(4 * H + 3)
+
+    def extend(t):
+        longer[:H] = t[name]
+        t[name] = longer
+
+    rewrite(tmp_path / "model.safetensors", extend)
+    loaded = load_model(tmp_path)
+    assert torch.equal(loaded.model.layers[1].self_attn.A_log.reshape(-1), longer[:H])
+    assert torch.equal(loaded.model.layers[1].self_attn.A_log, model.model.layers[1].self_attn.A_log)
+
+    rewrite(tmp_path / "model.safetensors", lambda t: t.__setitem__(name, longer[: H - 1].clone()))
+    with pytest.raises(CheckpointError, match=re.escape(name) + ".*model.safetensors.*at least 2"):
+        load_model(tmp_path)
+
+
+def test_k3_vision_tensors_ignored(tmp_path):
+    model = random_model(presets.tiny_k3())
+    save_model(model, tmp_path)
+    rewrite(
+        tmp_path / "model.safetensors",
+        lambda t: t.update({"vision_tower.patch_embed.weight": torch.ones(3, 3), "mm_projector.proj.weight": torch.ones(2)}),
+    )
+    assert_same_state(load_model(tmp_path).state_dict(), expected_state(model, True))
+
+
+def test_expected_tensors_inventory():
+    config = presets.tiny_k3()
+    specs = expected_tensors(config)
+    assert {s.kind for s in specs.values()} == set(KINDS)
+    moe_layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+    expert_names = [n for n, s in specs.items() if s.kind == "routed_experts"]
+    assert len(expert_names) == len(moe_layers) * config.num_experts * 3 * 2
+    assert specs["language_model.model.layers.1.block_sparse_moe.experts.3.w1.weight_scale"].shape == (32, 1)
+    assert specs["language_model.model.layers.3.self_attn.kv_b_proj.weight"].kind == "mla"
+    assert specs["language_model.model.layers.0.self_attn.A_log"].min_length
+    assert specs["language_model.model.layers.1.block_sparse_moe.gate.e_score_correction_bias"].dtype == torch.float32
+    assert specs["language_model.model.embed_tokens.weight"].dtype == torch.bfloat16
+    kl = expected_tensors(presets.tiny_kimi_linear())
+    assert all(not n.startswith("language_model.") for n in kl)
+    assert kl["model.layers.0.self_attn.A_log"].shape == (1, 1, 2, 1)
+    assert "attn_res" not in {s.kind for s in kl.values()} and "latent_proj" not in {s.kind for s in kl.values()}
+
+
+def test_load_logs_throughput(tmp_path, caplog, monkeypatch):
+    save_model(random_model(presets.tiny_kimi_linear()), tmp_path)
+    monkeypatch.setattr(checkpoint, "PROGRESS_SECONDS", 0.0)
+    with caplog.at_level(logging.INFO, logger="tidal.load"):
+        load_model(tmp_path)
+    messages = [r.getMessage() for r in caplog.records if r.name == "tidal.load"]
+    assert any("GB/s" in m and "bytes" in m for m in messages)
+    assert any("tensors" in m and "GB/s" not in m for m in messages)  # progress lines
+
+
+# ---- bad checkpoints -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def k3_dir(tmp_path):
+    save_model(random_model(presets.tiny_k3()), tmp_path)
+    return tmp_path
+
+
+def load_error(path, cls=CheckpointError) -> str:
+    with pytest.raises(cls) as info:
+        load_model(path)
+    return str(info.value)
+
+
+PACKED = "language_model.model.layers.1.block_sparse_moe.experts.5.w3.weight_packed"
+SCALE = "language_model.model.layers.1.block_sparse_moe.experts.5.w3.weight_scale"
+Q_PROJ = "language_model.model.layers.2.self_attn.q_proj.weight"
+
+
+def test_missing_tensor(k3_dir):
+    rewrite(k3_dir / "model.safetensors", lambda t: t.pop(Q_PROJ))
+    msg = load_error(k3_dir)
+    assert "missing" in msg and Q_PROJ in msg and "model.safetensors" in msg
+
+
+def test_unexpected_tensor(k3_dir):
+    name = "language_model.model.layers.2.self_attn.q_proj.bias"
+    rewrite(k3_dir / "model.safetensors", lambda t: t.update({name: torch.zeros(32)}))
+    msg = load_error(k3_dir)
+    assert "unexpected" in msg and name in msg and "model.safetensors" in msg
+
+
+def test_wrong_shape(k3_dir):
+    rewrite(k3_dir / "model.safetensors", lambda t: t.update({Q_PROJ: torch.zeros(32, 65)}))
+    msg = load_error(k3_dir)
+    assert Q_PROJ in msg and "model.safetensors" in msg and "[32, 65]" in msg and "[32, 64]" in msg
+
+
+def test_wrong_dtype_for_packed_weights(k3_dir):
+    rewrite(k3_dir / "model.safetensors", lambda t: t.update({PACKED: t[PACKED].float()}))
+    msg = load_error(k3_dir)
+    assert PACKED in msg and "model.safetensors" in msg and "uint8" in msg
+
+
+def test_scale_byte_255(k3_dir):
+    def poison(t):
+        t[SCALE][3, 0] = 255
+
+    rewrite(k3_dir / "model.safetensors", poison)
+    msg = load_error(k3_dir)
+    assert SCALE in msg and "model.safetensors" in msg and "255" in msg
+
+
+def test_truncated_file(k3_dir):
+    path = k3_dir / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    msg = load_error(k3_dir)
+    assert str(path) in msg and "truncated" in msg
+    named = re.search(r"tensor '([^']+)'", msg).group(1)
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_len])
+    assert header[named]["data_offsets"][1] > len(data) - 100 - 8 - header_len  # its bytes were cut
+
+
+def test_garbage_file(k3_dir):
+    (k3_dir / "model.safetensors").write_bytes(b"\x05")
+    msg = load_error(k3_dir)
+    assert "model.safetensors" in msg and "corrupt" in msg
+
+
+def test_index_points_to_missing_shard(tmp_path):
+    save_model(random_model(presets.tiny_k3()), tmp_path, max_shard_bytes=30_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[1]
+    (tmp_path / victim).unlink()
+    name = next(k for k, v in index["weight_map"].items() if v == victim)
+    msg = load_error(tmp_path)
+    assert victim in msg and name in msg and "missing" in msg
+
+
+def test_index_lists_tensor_absent_from_its_shard(tmp_path):
+    save_model(random_model(presets.tiny_k3()), tmp_path, max_shard_bytes=30_000)
+    path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    name = next(k for k, v in index["weight_map"].items() if v == shards[1])
+    index["weight_map"][name] = shards[0]
+    path.write_text(json.dumps(index))
+    msg = load_error(tmp_path)
+    assert name in msg and shards[0] in msg and "absent" in msg
+
+
+def test_no_weights(tmp_path):
+    save_model(random_model(presets.tiny_kimi_linear()), tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    msg = load_error(tmp_path)
+    assert "model.safetensors" in msg and str(tmp_path) in msg
+
+
+def test_missing_config(tmp_path):
+    msg = load_error(tmp_path, ConfigError)
+    assert str(tmp_path / "config.json") in msg
+
+
+def test_config_not_json(k3_dir):
+    (k3_dir / "config.json").write_text("{not json")
+    msg = load_error(k3_dir, ConfigError)
+    assert str(k3_dir / "config.json") in msg and "JSON" in msg
+
+
+def test_unknown_model_type(k3_dir):
+    path = k3_dir / "config.json"
+    data = json.loads(path.read_text())
+    data["model_type"] = "llama"
+    path.write_text(json.dumps(data))
+    msg = load_error(k3_dir, ConfigError)
+    assert "model_type" in msg and str(path) in msg
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_load_to_cuda_matches_cpu(k3_dir):
+    cpu = load_model(k3_dir, dtype=torch.bfloat16)
+    gpu = load_model(k3_dir, dtype=torch.bfloat16, device="cuda")
+    for k, v in cpu.state_dict().items():
+        g = gpu.state_dict()[k]
+        assert g.is_cuda and torch.equal(g.cpu(), v), k

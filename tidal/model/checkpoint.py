@@ -1,0 +1,484 @@
+"""Read and write Kimi-K3 / Kimi Linear safetensors checkpoints (spec §5.3, §7).
+
+The model's state_dict names are Kimi Linear's checkpoint names. On disk, K3 prefixes every name with
+``language_model.``; routed experts are stored one tensor per expert (dense, or compressed-tensors
+MXFP4 ``weight_packed``/``weight_scale``) where the model stacks them; KDA ``A_log`` changes shape; tied
+embeddings omit ``lm_head.weight``. :func:`expected_tensors` is the single description of that layout;
+the loader checks a checkpoint against it before copying anything and names tensor and file in every
+error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import re
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from tidal.config import EXPERT_FORMATS, ConfigError, ModelConfig, parse_dtype
+from tidal.model.kimi import FP32_PARAMS, KimiForCausalLM
+from tidal.model.layers import compute_dtype
+from tidal.ops.mxfp import BLOCK, dequantize_mxfp4, quantize_mxfp4
+
+log = logging.getLogger("tidal.load")
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+K3_PREFIX = "language_model."
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")  # K3's vision model: accepted, not loaded
+MXFP4 = "mxfp4-pack-quantized"
+# Kept at (at least) float32 on disk. K3 also keeps its conv weights and o_norm in float32.
+K3_FP32_ON_DISK = FP32_PARAMS + ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight")
+PROGRESS_SECONDS = 2.0
+
+KINDS = (
+    "embedding", "lm_head", "kda", "mla", "dense_mlp", "shared_experts", "routed_experts",
+    "router", "norm", "attn_res", "latent_proj",
+)
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_FLOAT_ON_DISK = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint tidal cannot load; the message names the tensor and the file."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint tensor: its shape and dtype on disk and what part of the model it is.
+
+    ``min_length``: a 1-D vector of at least ``shape[0]`` values (K3's A_log ships 128 for 96 heads)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str
+    min_length: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a checkpoint tensor lives in the model: a state_dict entry, one expert of a stacked
+    expert tensor, and which MXFP4 part ("weight" = plain tensor, "packed", "scale")."""
+
+    param: str
+    expert: int | None = None
+    part: str = "weight"
+
+
+# ---- the layout ----------------------------------------------------------------------------------
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, TensorSpec]:
+    """Every tensor a checkpoint for ``config`` holds, by on-disk name (vision tensors excluded)."""
+    return {name: spec for name, (spec, _) in _layout(config).items()}
+
+
+def checkpoint_prefix(config: ModelConfig) -> str:
+    return K3_PREFIX if config.model_type == "kimi_k3" else ""
+
+
+@functools.lru_cache(maxsize=8)
+def _layout(config: ModelConfig) -> dict[str, tuple[TensorSpec, _Source]]:
+    """On-disk name -> (spec, source), in model order (experts of one weight stay together)."""
+    with torch.device("meta"):
+        model = KimiForCausalLM(config)
+    disk = parse_dtype(config.torch_dtype)
+    wide = compute_dtype(disk)
+    keep_wide = K3_FP32_ON_DISK if config.model_type == "kimi_k3" else FP32_PARAMS
+    prefix = checkpoint_prefix(config)
+    out: dict[str, tuple[TensorSpec, _Source]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        kind = _kind(config, name)
+        shape = tuple(t.shape)
+        dtype = wide if any(name == k or name.endswith("." + k) for k in keep_wide) else disk
+        if kind == "routed_experts":
+            base = name.rsplit(".", 1)
+            for e in range(shape[0]):
+                stem = f"{prefix}{base[0]}.{e}.{base[1]}"
+                out_f, in_f = shape[1:]
+                if config.expert_format == MXFP4:
+                    out[f"{stem}.weight_packed"] = (
+                        TensorSpec((out_f, in_f // 2), torch.uint8, kind), _Source(name, e, "packed"))
+                    out[f"{stem}.weight_scale"] = (
+                        TensorSpec((out_f, in_f // BLOCK), torch.uint8, kind), _Source(name, e, "scale"))
+                else:
+                    out[f"{stem}.weight"] = (TensorSpec((out_f, in_f), dtype, kind), _Source(name, e))
+        elif name.endswith(".A_log"):
+            n = t.numel()
+            if config.model_type == "kimi_k3":
+                spec = TensorSpec((n,), dtype, kind, min_length=True)
+            else:
+                spec = TensorSpec((1, 1, *shape), dtype, kind)  # [1, 1, H, 1] (or [1, 1, 1, K])
+            out[prefix + name] = (spec, _Source(name))
+        else:
+            out[prefix + name] = (TensorSpec(shape, dtype, kind), _Source(name))
+    return out
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _kind(config: ModelConfig, name: str) -> str:
+    if name == "model.embed_tokens.weight":
+        return "embedding"
+    if name == "lm_head.weight":
+        return "lm_head"
+    if re.search(r"(^|\.)(self_attention|mlp|output_attn)_res_(norm|proj)\.", name):
+        return "attn_res"
+    m = _LAYER.match(name)
+    if m and ".self_attn." in name:
+        return "kda" if config.is_kda_layer(int(m.group(1))) else "mla"
+    for part, kind in (
+        (".block_sparse_moe.experts.", "routed_experts"),
+        (".block_sparse_moe.gate.", "router"),
+        (".block_sparse_moe.shared_experts.", "shared_experts"),
+        (".block_sparse_moe.routed_expert_", "latent_proj"),
+        (".mlp.", "dense_mlp"),
+    ):
+        if part in name:
+            return kind
+    if name == "model.norm.weight" or name.endswith("layernorm.weight"):
+        return "norm"
+    raise AssertionError(f"model tensor '{name}' has no checkpoint kind; teach tidal.model.checkpoint._kind")
+
+
+# ---- opening a checkpoint ------------------------------------------------------------------------
+
+
+@dataclass
+class _Checkpoint:
+    """Open safetensors handles and which file holds each tensor."""
+
+    root: Path
+    inventory: str  # the file that lists the tensors (single file or index), for messages
+    handles: dict[str, Any]
+    where: dict[str, str]
+
+    def file(self, name: str) -> Path:
+        return self.root / self.where[name]
+
+
+def _read_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    try:
+        return ModelConfig.from_file(path)
+    except ConfigError as e:
+        if str(path) in str(e):
+            raise
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _diagnose(path: Path, error: Exception, names: list[str]) -> CheckpointError:
+    """Explain why safetensors could not open ``path``, naming the tensors it cannot supply."""
+    detail = str(error)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            header_len = struct.unpack("<Q", raw)[0] if len(raw) == 8 else None
+            size = path.stat().st_size
+            if header_len is not None and 8 + header_len <= size:
+                header = json.loads(f.read(header_len))
+                data = size - 8 - header_len
+                cut = [k for k, v in header.items() if k != "__metadata__" and v["data_offsets"][1] > data]
+                if cut:
+                    return CheckpointError(
+                        f"{path}: truncated or corrupt safetensors file: tensor '{cut[0]}' "
+                        f"({len(cut)} tensor(s) in all) ends past the end of the file ({detail})"
+                    )
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        pass
+    which = f"tensor '{names[0]}'" + (f" and {len(names) - 1} more" if len(names) > 1 else "") if names else "its tensors"
+    return CheckpointError(f"{path}: corrupt or truncated safetensors file, cannot read {which} ({detail})")
+
+
+def _open_file(stack: contextlib.ExitStack, path: Path, names: list[str]) -> Any:
+    try:
+        return stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+    except Exception as e:  # safetensors raises its own error type for every malformed file
+        raise _diagnose(path, e, names) from None
+
+
+def _open(stack: contextlib.ExitStack, root: Path) -> _Checkpoint:
+    single, index = root / SINGLE_FILE, root / INDEX_FILE
+    if single.is_file():
+        handle = _open_file(stack, single, [])
+        return _Checkpoint(root, SINGLE_FILE, {SINGLE_FILE: handle}, {k: SINGLE_FILE for k in handle.keys()})
+    if not index.is_file():
+        raise CheckpointError(f"{root}: neither {SINGLE_FILE} nor {INDEX_FILE} is there; no tensors to load")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("weight_map must map tensor names to file names")
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({e})") from None
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(file, []).append(name)
+    handles = {}
+    for file, names in by_file.items():
+        path = root / file
+        if not path.is_file():
+            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+            raise CheckpointError(f"{path}: shard missing from disk; {index.name} puts tensor '{names[0]}'{more} there")
+        handles[file] = _open_file(stack, path, names)
+        present = set(handles[file].keys())
+        for name in names:
+            if name not in present:
+                raise CheckpointError(f"tensor '{name}' is listed in {index} but absent from {path}")
+        for name in present - set(names):
+            if not name.startswith(VISION_PREFIXES):
+                raise CheckpointError(f"unexpected tensor '{name}' in {path}: not listed in {index}")
+    return _Checkpoint(root, INDEX_FILE, handles, dict(weight_map))
+
+
+def _check(ckpt: _Checkpoint, config: ModelConfig, layout: dict[str, tuple[TensorSpec, _Source]]) -> None:
+    """Inventory, shapes and dtypes, from the headers only, before any data is read."""
+    for name in ckpt.where:
+        if name not in layout and not (config.model_type == "kimi_k3" and name.startswith(VISION_PREFIXES)):
+            raise CheckpointError(
+                f"unexpected tensor '{name}' in {ckpt.file(name)}: not part of a {config.model_type} "
+                f"model with this config.json (expert format {config.expert_format})"
+            )
+    for name, (spec, src) in layout.items():
+        if name not in ckpt.where:
+            raise CheckpointError(f"missing tensor '{name}': not in {ckpt.root / ckpt.inventory}")
+        piece = ckpt.handles[ckpt.where[name]].get_slice(name)
+        shape, dtype_name = tuple(piece.get_shape()), piece.get_dtype()
+        dtype = _ST_DTYPES.get(dtype_name)
+        if src.part in ("packed", "scale"):
+            ok_dtype = dtype == torch.uint8
+        else:
+            ok_dtype = dtype in _FLOAT_ON_DISK
+        if not ok_dtype:
+            want = "uint8" if src.part in ("packed", "scale") else "a float dtype"
+            raise CheckpointError(f"tensor '{name}' in {ckpt.file(name)} has dtype {dtype_name}, expected {want}")
+        if spec.min_length:
+            if len(shape) != 1 or shape[0] < spec.shape[0]:
+                raise CheckpointError(
+                    f"tensor '{name}' in {ckpt.file(name)} has shape {list(shape)}, "
+                    f"expected a 1-D vector of at least {spec.shape[0]} values"
+                )
+        elif shape != spec.shape:
+            raise CheckpointError(
+                f"tensor '{name}' in {ckpt.file(name)} has shape {list(shape)}, expected {list(spec.shape)}"
+            )
+
+
+# ---- loading -------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """A log line at most every PROGRESS_SECONDS and a final GB/s line: a long load is never silent."""
+
+    def __init__(self, root: Path, total_tensors: int) -> None:
+        self.root, self.total = root, total_tensors
+        self.start = self.last = time.perf_counter()
+        self.tensors = self.bytes = 0
+
+    def add(self, t: torch.Tensor) -> None:
+        self.tensors += 1
+        self.bytes += t.numel() * t.element_size()
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_SECONDS:
+            self.last = now
+            log.info(
+                "loading %s: %d/%d tensors, %.2f GB, %.1f s",
+                self.root, self.tensors, self.total, self.bytes / 1e9, now - self.start,
+            )
+
+    def done(self) -> None:
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        log.info(
+            "loaded %s: %d tensors, %d bytes (%.3f GB) read in %.3f s, %.3f GB/s",
+            self.root, self.tensors, self.bytes, self.bytes / 1e9, seconds, self.bytes / 1e9 / seconds,
+        )
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+) -> KimiForCausalLM:
+    """Read config.json and the safetensors weights into a model in ``dtype`` (FP32_PARAMS stay at
+    float32 or wider, as ``KimiForCausalLM.to_dtype``), on ``device``. Routed MXFP4 experts are
+    dequantised exactly. The model is built on the meta device and each parameter is allocated once."""
+    root = Path(model_dir)
+    config = _read_config(root)
+    layout = _layout(config)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = KimiForCausalLM(config).to_dtype(dtype)
+    targets = model.state_dict(keep_vars=True)
+    with contextlib.ExitStack() as stack:
+        ckpt = _open(stack, root)
+        _check(ckpt, config, layout)
+        progress = _Progress(root, len(layout))
+        filled: dict[str, torch.Tensor] = {}
+        pending: dict[tuple[str, int], torch.Tensor] = {}  # MXFP4 half waiting for its other half
+        for name, (spec, src) in layout.items():
+            target = targets[src.param]
+            tensor = ckpt.handles[ckpt.where[name]].get_tensor(name)  # a view of the memory map
+            progress.add(tensor)
+            out = filled.get(src.param)
+            if out is None:
+                out = filled[src.param] = torch.empty(target.shape, dtype=target.dtype, device=device)
+            if src.expert is None:
+                if spec.min_length:
+                    tensor = tensor[: spec.shape[0]]
+                out.copy_(tensor.reshape(target.shape))
+                continue
+            if src.part == "weight":
+                out[src.expert].copy_(tensor)
+                continue
+            tensor = tensor.to(device)
+            other = pending.pop((src.param, src.expert), None)
+            if other is None:
+                pending[(src.param, src.expert)] = tensor
+                continue
+            packed, scales = (tensor, other) if src.part == "packed" else (other, tensor)
+            try:
+                out[src.expert].copy_(dequantize_mxfp4(packed, scales, target.dtype))
+            except ValueError as e:
+                scale_name = name if src.part == "scale" else name.replace(".weight_packed", ".weight_scale")
+                raise CheckpointError(f"tensor '{scale_name}' in {ckpt.file(scale_name)}: {e}") from None
+    _install(model, filled)
+    progress.done()
+    return model
+
+
+def _install(model: KimiForCausalLM, tensors: dict[str, torch.Tensor]) -> None:
+    """Replace the meta parameters and buffers by the loaded tensors, then re-tie embeddings."""
+    for name, tensor in tensors.items():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if leaf in module._parameters:
+            module._parameters[leaf] = nn.Parameter(tensor, requires_grad=module._parameters[leaf].requires_grad)
+        else:
+            module._buffers[leaf] = tensor
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"tensors not covered by the checkpoint layout (still on meta): {left[:5]}")
+
+
+# ---- writing -------------------------------------------------------------------------------------
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _config_json(config: ModelConfig) -> dict[str, Any]:
+    data = config.to_dict()
+    text = data.get("text_config", data)
+    data.pop("quantization_config", None)
+    text.pop("quantization_config", None)
+    if config.expert_format == MXFP4:
+        text["quantization_config"] = {"quant_method": "compressed-tensors", "format": MXFP4}
+    return data
+
+
+def _shards(layout: dict[str, tuple[TensorSpec, _Source]], max_bytes: int | None) -> list[list[str]]:
+    """Tensors in layout order, cut greedily so each shard stays under max_bytes (a bigger tensor
+    gets a shard of its own)."""
+    if max_bytes is None:
+        return [list(layout)]
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, (spec, _) in layout.items():
+        if shards[-1] and size + spec.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += spec.nbytes
+    return shards
+
+
+def save_model(
+    model: KimiForCausalLM,
+    out_dir: str | Path,
+    *,
+    expert_format: str | None = None,
+    max_shard_bytes: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write config.json and safetensors in the layout :func:`load_model` reads: one
+    ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` plus an index when
+    ``max_shard_bytes`` is given. ``dtype`` (default: the model's) is the trunk dtype on disk;
+    ``expert_format`` (default: the config's) "mxfp4-pack-quantized" quantises the routed experts.
+    Earlier model files in out_dir are removed so the directory holds exactly one checkpoint."""
+    dtype = dtype or model.dtype
+    expert_format = expert_format or model.config.expert_format
+    if expert_format not in EXPERT_FORMATS:
+        raise ValueError(f"expert_format {expert_format!r} is not one of {EXPERT_FORMATS}")
+    config = model.config.replace(expert_format=expert_format, torch_dtype=_dtype_name(dtype))
+    layout = _layout(config)
+    state = model.state_dict()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
+        old.unlink(missing_ok=True)
+    shards = _shards(layout, max_shard_bytes)
+    files = [SINGLE_FILE] if max_shard_bytes is None else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]
+    quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for file, names in zip(files, shards):
+        tensors = {name: _disk_tensor(state, quantized, *layout[name]) for name in names}
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+    if max_shard_bytes is not None:
+        index = {
+            "metadata": {"total_size": sum(spec.nbytes for spec, _ in layout.values())},
+            "weight_map": {name: file for file, names in zip(files, shards) for name in names},
+        }
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(_config_json(config), indent=2))
+    return out
+
+
+def _disk_tensor(
+    state: dict[str, torch.Tensor], quantized: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    spec: TensorSpec, src: _Source,
+) -> torch.Tensor:
+    """The on-disk tensor for one layout entry, on the CPU (expert slices are copied: safetensors
+    refuses tensors that share storage).
+    MXFP4 experts are quantised once per stacked weight; only the latest one is kept."""
+    t = state[src.param].detach()
+    if src.part == "weight":
+        if src.expert is None:
+            return t.reshape(spec.shape).to("cpu", spec.dtype).contiguous()
+        return t[src.expert].to("cpu", spec.dtype, copy=True)
+    if src.param not in quantized:
+        quantized.clear()
+        quantized[src.param] = tuple(x.cpu() for x in quantize_mxfp4(t))  # type: ignore[assignment]
+    packed, scales = quantized[src.param]
+    return (packed if src.part == "packed" else scales)[src.expert].clone()
+
