@@ -7,6 +7,8 @@ import sys
 
 COMMANDS = {
     "generate": ("tidal.generate", "generate text offline with the embedded model or a checkpoint"),
+    "serve": ("tidal.serve.cli", "OpenAI- and Anthropic-compatible server (the embedded model by default)"),
+    "bench": ("tidal.bench.cli", "serving benchmark for any OpenAI-compatible server"),
     "plan": ("tidal.plan", "memory planner: weights, KDA state and MLA KV per rank, capacities"),
 }
 
