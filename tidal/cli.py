@@ -10,6 +10,8 @@ COMMANDS = {
     "serve": ("tidal.serve.cli", "OpenAI- and Anthropic-compatible server (the embedded model by default)"),
     "bench": ("tidal.bench.cli", "serving benchmark for any OpenAI-compatible server"),
     "plan": ("tidal.plan", "memory planner: weights, KDA state and MLA KV per rank, capacities"),
+    "train": ("tidal.train.cli", "train a small K3-architecture model on CPU (the embedded default)"),
+    "quantize": ("tidal.train.quantize", "write a checkpoint's routed experts in MXFP4 (compressed-tensors)"),
 }
 
 
