@@ -42,8 +42,8 @@ from tidal.config import ConfigError, ModelConfig, parse_dtype
 GIB = 1 << 30
 MIB = 1 << 20
 FP32 = 4
-KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
-_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8, "fp8": 1}
+_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 DEFAULT_PAGE_SIZE = 16
 # Inside the static fraction but outside weights and pool: CUDA context, NCCL and MoE workspace
 # buffers, CUDA-graph private pools. The (1 - mem_fraction_static) share is left for activations.
@@ -843,7 +843,12 @@ def _split_json(s: SGLangSplit | None) -> dict[str, Any] | None:
 
 
 def _gib(b: float) -> str:
-    return f"{b / GIB:,.2f} GiB"
+    """Bytes in GiB, or in MiB/KiB when GiB would round to zero (small models)."""
+    if abs(b) >= GIB / 100 or b == 0:
+        return f"{b / GIB:,.2f} GiB"
+    if abs(b) >= MIB / 100:
+        return f"{b / MIB:,.2f} MiB"
+    return f"{b / 1024:,.2f} KiB"
 
 
 def _mib(b: float) -> str:

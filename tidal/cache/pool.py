@@ -1,0 +1,330 @@
+"""One memory pool for both caches of a hybrid model: KDA state blocks and MLA KV pages.
+
+The pool is one preallocated byte buffer cut into ``num_blocks`` equal blocks (the planner's
+``PoolLayout``, so start-up capacity equals the planner's by construction). A block is
+
+- FREE,
+- a STATE block: one request's KDA state, conv [3P, W-1] (model dtype) and recurrent [H, K, K]
+  (float32) for every KDA layer, at fixed byte offsets inside the block, or
+- a KV block: ``pages_per_block`` pages; a page holds ``page_size`` tokens x every MLA layer x
+  (kv_lora_rank + rope) values in the model dtype.
+
+There is no state:KV ratio. New pages go into the fullest partly-filled KV block first, so whole
+blocks stay free for states; a KV block whose pages are all freed turns FREE again. When a state
+needs a block and none is FREE but the KV blocks' free pages add up to a block, the emptiest KV
+block is compacted away (its pages are copied into other KV blocks and the owners' page tables
+remapped). With compaction the pool behaves as ``num_blocks * pages_per_block`` interchangeable
+page units, a state costing a whole block of them: :meth:`MemoryPool.can_allocate` is therefore
+exact, and a scheduler that checks it never sees an allocation fail.
+
+Bytes are moved with gathers/scatters on uint8 views and reinterpreted with ``Tensor.view(dtype)``
+on the (fresh, contiguous) gathered copies, so no offset inside the pool needs any alignment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+
+from tidal.config import ModelConfig
+from tidal.model.layers import compute_dtype
+from tidal.plan import PoolLayout
+
+FREE, STATE, KV = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """A snapshot of the pool; ``free_pages`` counts page units (a state costs a whole block)."""
+
+    num_blocks: int
+    pages_per_block: int
+    free_blocks: int
+    state_blocks: int
+    kv_blocks: int
+    used_pages: int
+    free_pages: int
+
+    @property
+    def total_pages(self) -> int:
+        return self.num_blocks * self.pages_per_block
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool's page units in use (states count their whole block)."""
+        return 1.0 - self.free_pages / max(1, self.total_pages)
+
+
+class MemoryPool:
+    """Block allocator over one buffer, keyed by an owner (a request id)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layout: PoolLayout,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if layout.dcp_size != 1:
+            raise ValueError(f"the engine pool supports dcp_size=1, the layout has {layout.dcp_size}")
+        if dtype == torch.float64 or compute_dtype(dtype) != torch.float32:
+            raise ValueError(f"the pool stores KDA states in float32 and latents in 16/32-bit dtypes, not {dtype}")
+        self.config, self.layout, self.dtype = config, layout, dtype
+        self.device = torch.device(device)
+        self.page_size, self.pages_per_block = layout.page_size, layout.pages_per_block
+        self.num_blocks, self.block_bytes = layout.num_blocks, layout.block_bytes
+        es = torch.empty(0, dtype=dtype).element_size()
+        self._row_bytes = config.mla_cache_width * es
+        page_bytes = config.num_mla_layers * self.page_size * self._row_bytes
+        if page_bytes != layout.page_bytes or self.pages_per_block * page_bytes > self.block_bytes:
+            raise ValueError(
+                f"layout page_bytes {layout.page_bytes} / block_bytes {self.block_bytes} do not match a "
+                f"{dtype} KV page of {page_bytes} bytes; build the layout with kv_dtype_bytes={es}"
+            )
+        # empty, not zeros: on CPU the OS commits the memory only where it is written.
+        self.buffer = torch.empty(self.num_blocks, self.block_bytes, dtype=torch.uint8, device=self.device)
+        L, ppb, ps = config.num_mla_layers, self.pages_per_block, self.page_size
+        self._pages = self.buffer[:, : ppb * page_bytes].unflatten(1, (ppb, L, ps, self._row_bytes))
+        self._conv_shape = config.kda_conv_state_shape
+        self._rec_shape = config.kda_recurrent_state_shape
+        conv_bytes = self._conv_shape[0] * self._conv_shape[1] * es
+        rec_bytes = self._rec_shape[0] * self._rec_shape[1] * self._rec_shape[2] * 4
+        state_bytes = config.num_kda_layers * (conv_bytes + rec_bytes)
+        if state_bytes > layout.state_bytes or state_bytes > self.block_bytes:
+            raise ValueError(
+                f"a {dtype} KDA state takes {state_bytes} bytes, the layout gives {layout.state_bytes}; "
+                f"build the layout with conv_dtype_bytes={es}"
+            )
+        # State block: all recurrent states, then all conv states (offsets fixed per layer).
+        self._rec_views, self._conv_views = [], []
+        for i in range(config.num_kda_layers):
+            r0 = i * rec_bytes
+            c0 = config.num_kda_layers * rec_bytes + i * conv_bytes
+            self._rec_views.append(self.buffer[:, r0 : r0 + rec_bytes])
+            self._conv_views.append(self.buffer[:, c0 : c0 + conv_bytes])
+        self._state_bytes = state_bytes
+
+        self._kind = [FREE] * self.num_blocks
+        self._free_blocks = list(range(self.num_blocks - 1, -1, -1))  # pop() gives block 0 first
+        self._slot_free: dict[int, list[int]] = {}  # KV block -> its free page slots
+        self._by_used: list[set[int]] = [set() for _ in range(ppb + 1)]  # KV blocks by pages used
+        self._states: dict[Hashable, int] = {}
+        self._tables: dict[Hashable, list[int]] = {}
+        self._owner: dict[int, tuple[Hashable, int]] = {}  # page id -> (owner, index in its table)
+        self._used_pages = 0
+        self.num_compactions = 0
+        self.pages_moved = 0
+
+    # ---- capacity ------------------------------------------------------------------------------
+    @property
+    def total_pages(self) -> int:
+        return self.num_blocks * self.pages_per_block
+
+    @property
+    def free_pages(self) -> int:
+        """Free page units: every unheld block and every free page of a KV block."""
+        return self.total_pages - self.pages_per_block * len(self._states) - self._used_pages
+
+    def usage(self) -> PoolUsage:
+        kv = sum(1 for k in self._kind if k == KV)
+        return PoolUsage(
+            num_blocks=self.num_blocks,
+            pages_per_block=self.pages_per_block,
+            free_blocks=len(self._free_blocks),
+            state_blocks=len(self._states),
+            kv_blocks=kv,
+            used_pages=self._used_pages,
+            free_pages=self.free_pages,
+        )
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def pages_needed(self, owner: Hashable, num_tokens: int) -> int:
+        """Pages ``owner`` must still get to hold ``num_tokens`` tokens."""
+        return max(0, self.pages_for(num_tokens) - len(self._tables.get(owner, ())))
+
+    def can_allocate(self, states: int, pages: int) -> bool:
+        """Whether ``states`` new state blocks and ``pages`` new pages fit now (exact, see module doc)."""
+        return states * self.pages_per_block + pages <= self.free_pages
+
+    def units_for(self, owner: Hashable, num_tokens: int) -> int:
+        """Page units ``owner`` needs to hold ``num_tokens`` tokens, counting a missing state."""
+        state = 0 if owner in self._states else self.pages_per_block
+        return state + self.pages_needed(owner, num_tokens)
+
+    # ---- owner tables --------------------------------------------------------------------------
+    def has_state(self, owner: Hashable) -> bool:
+        return owner in self._states
+
+    def state_block(self, owner: Hashable) -> int:
+        return self._states[owner]
+
+    def page_table(self, owner: Hashable) -> list[int]:
+        """Global page ids (block * pages_per_block + slot) of ``owner``, in token order."""
+        return self._tables.get(owner, [])
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def alloc_state(self, owner: Hashable) -> bool:
+        """Give ``owner`` a zeroed state block; False (nothing changed) when it does not fit."""
+        if owner in self._states:
+            return True
+        if not self.can_allocate(1, 0):
+            return False
+        if not self._free_blocks:
+            self._compact()
+        block = self._free_blocks.pop()
+        self._kind[block] = STATE
+        self.buffer[block, : self._state_bytes].zero_()
+        self._states[owner] = block
+        return True
+
+    def reserve(self, owner: Hashable, num_tokens: int) -> bool:
+        """Grow ``owner``'s page table to hold ``num_tokens`` tokens; False (nothing changed) when
+        the pages do not fit."""
+        need = self.pages_needed(owner, num_tokens)
+        if need == 0:
+            return True
+        if not self.can_allocate(0, need):
+            return False
+        table = self._tables.setdefault(owner, [])
+        for _ in range(need):
+            page = self._take_page()
+            self._owner[page] = (owner, len(table))
+            table.append(page)
+        return True
+
+    def free(self, owner: Hashable) -> None:
+        """Release ``owner``'s state block and pages (unknown owners are a no-op)."""
+        block = self._states.pop(owner, None)
+        if block is not None:
+            self._kind[block] = FREE
+            self._free_blocks.append(block)
+        for page in self._tables.pop(owner, []):
+            del self._owner[page]
+            self._give_page(page)
+
+    def _take_page(self) -> int:
+        ppb = self.pages_per_block
+        for used in range(ppb - 1, 0, -1):  # fullest partly-filled KV block first
+            if self._by_used[used]:
+                block = min(self._by_used[used])
+                break
+        else:
+            block = self._free_blocks.pop()
+            self._kind[block] = KV
+            self._slot_free[block] = list(range(ppb - 1, -1, -1))
+            used = 0
+            self._by_used[0].add(block)
+        self._by_used[used].discard(block)
+        self._by_used[used + 1].add(block)
+        self._used_pages += 1
+        return block * ppb + self._slot_free[block].pop()
+
+    def _give_page(self, page: int) -> None:
+        block, slot = divmod(page, self.pages_per_block)
+        free = self._slot_free[block]
+        used = self.pages_per_block - len(free)
+        free.append(slot)
+        self._by_used[used].discard(block)
+        self._used_pages -= 1
+        if used == 1:
+            del self._slot_free[block]
+            self._kind[block] = FREE
+            self._free_blocks.append(block)
+        else:
+            self._by_used[used - 1].add(block)
+
+    def _compact(self) -> None:
+        """Empty the emptiest KV block into the others' free pages (caller checked there is room)."""
+        ppb = self.pages_per_block
+        source = next(min(s) for s in self._by_used[1:] if s)
+        moves = [source * ppb + slot for slot in range(ppb) if slot not in self._slot_free[source]]
+        self._by_used[ppb - len(self._slot_free[source])].discard(source)
+        dests = []
+        for _ in moves:
+            dests.append(self._take_page())
+        src_b = torch.tensor([p // ppb for p in moves], device=self.device)
+        src_s = torch.tensor([p % ppb for p in moves], device=self.device)
+        dst_b = torch.tensor([p // ppb for p in dests], device=self.device)
+        dst_s = torch.tensor([p % ppb for p in dests], device=self.device)
+        self._pages[dst_b, dst_s] = self._pages[src_b, src_s]
+        for old, new in zip(moves, dests):
+            owner, index = self._owner.pop(old)
+            self._owner[new] = (owner, index)
+            self._tables[owner][index] = new
+        self._used_pages -= len(moves)
+        del self._slot_free[source]
+        self._kind[source] = FREE
+        self._free_blocks.append(source)
+        self.num_compactions += 1
+        self.pages_moved += len(moves)
+
+    # ---- byte access (used by PoolCacheView) ---------------------------------------------------
+    def read_states(self, kda_layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = blocks.shape[0]
+        conv = self._conv_views[kda_layer][blocks].view(self.dtype).view(n, *self._conv_shape)
+        rec = self._rec_views[kda_layer][blocks].view(torch.float32).view(n, *self._rec_shape)
+        return conv, rec
+
+    def write_states(self, kda_layer: int, blocks: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor) -> None:
+        n = blocks.shape[0]
+        self._conv_views[kda_layer][blocks] = conv.to(self.dtype).contiguous().view(torch.uint8).view(n, -1)
+        self._rec_views[kda_layer][blocks] = rec.to(torch.float32).contiguous().view(torch.uint8).view(n, -1)
+
+    def write_latents(
+        self, mla_layer: int, blocks: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        data = rows.to(self.dtype).contiguous().view(torch.uint8).view(rows.shape[0], self._row_bytes)
+        self._pages[blocks, slots, mla_layer, pos] = data
+
+    def read_latents(self, mla_layer: int, blocks: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
+        raw = self._pages[blocks, slots, mla_layer]  # [n, page_size, row_bytes]
+        return raw.view(self.dtype).view(-1, self.config.mla_cache_width)[:length]
+
+
+class PoolCacheView:
+    """The :class:`~tidal.model.context.SequenceCache` of one step over the pool: the states and
+    pages of the step's owners, in batch order. The owners hold their state block and enough
+    pages for ``cached_lens[b] + query_lens[b]`` tokens (the scheduler reserved them)."""
+
+    def __init__(
+        self, pool: MemoryPool, owners: list[Hashable], query_lens: list[int], cached_lens: list[int]
+    ) -> None:
+        self.pool = pool
+        dev, ps, ppb = pool.device, pool.page_size, pool.pages_per_block
+        self._blocks = torch.tensor([pool.state_block(o) for o in owners], dtype=torch.long, device=dev)
+        wb, ws, wp = [], [], []
+        self._reads: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        for owner, q, c in zip(owners, query_lens, cached_lens):
+            table = pool.page_table(owner)
+            total = c + q
+            if len(table) * ps < total:
+                raise ValueError(f"owner {owner!r} holds {len(table)} pages, too few for {total} tokens")
+            for t in range(c, total):
+                page = table[t // ps]
+                wb.append(page // ppb)
+                ws.append(page % ppb)
+                wp.append(t % ps)
+            pages = table[: pool.pages_for(total)]
+            self._reads.append((
+                torch.tensor([p // ppb for p in pages], dtype=torch.long, device=dev),
+                torch.tensor([p % ppb for p in pages], dtype=torch.long, device=dev),
+                total,
+            ))
+        self._write = tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in (wb, ws, wp))
+
+    def kda_state(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.read_states(kda_layer, self._blocks)
+
+    def set_kda_state(self, kda_layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.pool.write_states(kda_layer, self._blocks, conv, recurrent)
+
+    def mla_write(self, mla_layer: int, latents: torch.Tensor) -> None:
+        self.pool.write_latents(mla_layer, *self._write, latents)
+
+    def mla_read(self, mla_layer: int, seq: int) -> torch.Tensor:
+        blocks, slots, length = self._reads[seq]
+        return self.pool.read_latents(mla_layer, blocks, slots, length)

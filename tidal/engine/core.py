@@ -1,0 +1,293 @@
+"""EngineCore: the step loop schedule -> run model -> sample -> commit -> emit.
+
+``LLM.generate`` and the server both drive it: add requests (and abort them) at any time, call
+:meth:`EngineCore.step` while :meth:`EngineCore.has_unfinished_requests`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tidal.cache.pool import MemoryPool
+from tidal.engine.metrics import EngineMetrics, RequestMetrics
+from tidal.engine.request import (
+    IncrementalDetokenizer,
+    Logprob,
+    Request,
+    RequestOutput,
+    RequestTooLongError,
+)
+from tidal.engine.runner import ModelRunner
+from tidal.engine.sampler import SampleRow, prompt_logprobs, sample
+from tidal.engine.scheduler import Scheduler
+from tidal.model.kimi import KimiForCausalLM
+from tidal.plan import Plan, PoolLayout, plan_for_pool, plan_table
+from tidal.sampling_params import SamplingParams
+
+logger = logging.getLogger("tidal.engine")
+
+# On CPU the pool defaults to this share of the RAM the kernel reports available (MemAvailable).
+CPU_POOL_FRACTION = 0.2
+DEFAULT_MEM_FRACTION_STATIC = 0.9
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs (vLLM / SGLang names). ``kv_cache_memory_bytes`` sets the pool size exactly;
+    otherwise it is ``mem_fraction_static`` of device memory minus the weights on a GPU, or
+    ``CPU_POOL_FRACTION`` of available RAM on a CPU."""
+
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_model_len: int | None = None
+    page_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC
+
+
+def available_ram_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else the free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
+def default_pool_bytes(model: torch.nn.Module, device: torch.device, mem_fraction_static: float) -> int:
+    """The pool budget when none is given (see :class:`EngineConfig`)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * mem_fraction_static) - model_bytes(model)
+        if budget > free:
+            logger.warning("mem_fraction_static %.2f leaves %d bytes, only %d free: using the free memory",
+                           mem_fraction_static, budget, free)
+            budget = free
+        return budget
+    return int(available_ram_bytes() * CPU_POOL_FRACTION)
+
+
+class EngineCore:
+    """Continuous batching over one hybrid memory pool; no request ever fails for lack of memory."""
+
+    def __init__(
+        self,
+        model: KimiForCausalLM,
+        config: EngineConfig | None = None,
+        tokenizer: object | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.config = config = config or EngineConfig()
+        self.model_config = model.config
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.dtype = model.dtype
+        if config.kv_cache_memory_bytes is not None:
+            pool_bytes = int(config.kv_cache_memory_bytes)
+        else:
+            pool_bytes = default_pool_bytes(model, self.device, config.mem_fraction_static)
+        # The planner's functions size the pool: what `tidal plan` prints is what the engine does.
+        self.plan: Plan = plan_for_pool(
+            self.model_config, pool_bytes, model_bytes(model), page_size=config.page_size, dtype=self.dtype
+        )
+        self.layout: PoolLayout = self.plan.layout
+        self.pool = MemoryPool(self.model_config, self.layout, self.dtype, self.device)
+        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.pool)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids)
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        if isinstance(tok_eos, int) and tok_eos not in self.eos_token_ids:
+            self.eos_token_ids += (tok_eos,)
+        self._metrics = EngineMetrics()
+        self._log_startup()
+
+    # ---- capacity ------------------------------------------------------------------------------
+    @property
+    def max_request_len(self) -> int:
+        """Prompt + output tokens one request may have: the context limit or the whole pool."""
+        return min(self.max_model_len, self.layout.max_context_len())
+
+    def _log_startup(self) -> None:
+        lay = self.layout
+        logger.info(
+            "memory pool: %.2f MiB in %d blocks of %.1f KiB (a block = one request's KDA state of %d B, or %d KV "
+            "pages of %d tokens); device %s, dtype %s",
+            lay.pool_bytes / 2**20, lay.num_blocks, lay.block_bytes / 1024, lay.state_bytes, lay.pages_per_block,
+            lay.page_size, self.device, str(self.dtype).removeprefix("torch."),
+        )
+        logger.info(
+            "capacity: %d KV tokens (pool all KV); %d concurrent requests of max_model_len %d tokens, "
+            "%d of 1 token; longest single request %d tokens",
+            lay.kv_tokens_per_rank, lay.max_requests(self.max_model_len), self.max_model_len,
+            lay.max_requests(1), self.max_request_len,
+        )
+        logger.info("plan:\n%s", plan_table(self.plan))
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request. Raises RequestTooLongError (a ValueError) when it can never fit and
+        ValueError for other invalid input; nothing is queued then."""
+        params = params or SamplingParams()
+        try:
+            req = self._make_request(request_id, list(prompt_token_ids), params, prompt, arrival_time)
+        except ValueError:
+            self._metrics.num_requests_rejected += 1
+            raise
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def _make_request(
+        self, rid: str, ids: list[int], params: SamplingParams, prompt: str | None, arrival: float | None
+    ) -> Request:
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("SamplingParams.stop (stop strings) needs a tokenizer; use stop_token_ids")
+        P, limit = len(ids), self.max_request_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(1, limit - P)
+        total = P + max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLongError(
+                f"request {rid!r}: prompt ({P} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        if total > self.layout.max_context_len():
+            raise RequestTooLongError(
+                f"request {rid!r}: prompt ({P} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the "
+                f"{self.layout.max_context_len()} tokens the whole memory pool ({self.layout.pool_bytes} bytes) "
+                f"holds for one request"
+            )
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        return Request(
+            request_id=rid,
+            prompt_token_ids=ids,
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=max_tokens,
+            prompt=prompt,
+            generator=generator,
+            detokenizer=detok,
+            metrics=RequestMetrics(arrival_time=time.monotonic() if arrival is None else arrival),
+        )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its pages and state; returns its final output (None if
+        the id is unknown or already finished)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.remove(req)
+        req.abort()
+        req.metrics.finished_time = time.monotonic()
+        self._metrics.num_requests_aborted += 1
+        return req.to_output()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of the requests that produced a token (cumulative,
+        as vLLM), finished ones with ``finished=True``."""
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            if self.scheduler.has_unfinished():  # a scheduler bug, never a capacity limit
+                raise RuntimeError("the scheduler scheduled nothing while requests wait")
+            return []
+        for req, c in zip(batch.requests, batch.cached_lens):
+            if c == 0 and req.metrics.num_preemptions == 0:
+                self._metrics.prompt_tokens += req.num_prompt_tokens
+        logits = self.runner.execute(batch)
+        self._metrics.num_steps += 1
+        for b, (positions, lg) in logits.prompt.items():
+            self._record_prompt_logprobs(batch.requests[b], positions, lg)
+        for req, n in zip(batch.requests, batch.query_lens):
+            req.num_computed_tokens += n
+        outputs: list[RequestOutput] = []
+        if logits.sample_logits is None:
+            return outputs
+        reqs = [batch.requests[b] for b in logits.sample_seqs]
+        rows = [SampleRow(r.params, r.generator, r.banned_tokens()) for r in reqs]
+        now = time.monotonic()
+        for req, res in zip(reqs, sample(logits.sample_logits, rows)):
+            if req.logprobs is not None:
+                entry = {res.token_id: Logprob(res.logprob, res.rank, self._piece(res.token_id))}
+                for i, (tok, lp) in enumerate(res.top):
+                    entry.setdefault(tok, Logprob(lp, i + 1, self._piece(tok)))
+                req.logprobs.append(entry)
+                req.cumulative_logprob += res.logprob
+            req.append_token(res.token_id)
+            req.metrics.on_token(now)
+            self._metrics.generation_tokens += 1
+            if req.finished:
+                req.metrics.finished_time = now
+                self.scheduler.remove(req)
+                self.requests.pop(req.request_id, None)
+                self._metrics.num_requests_finished += 1
+            outputs.append(req.to_output())
+        return outputs
+
+    def _record_prompt_logprobs(self, req: Request, positions: list[int], logits: torch.Tensor) -> None:
+        assert req.prompt_logprobs is not None and req.params.prompt_logprobs is not None
+        targets = [req.prompt_token_ids[t + 1] for t in positions]
+        for target, (lp, rank, top) in zip(targets, prompt_logprobs(logits, targets, req.params.prompt_logprobs)):
+            entry = {target: Logprob(lp, rank, self._piece(target))}
+            for i, (tok, v) in enumerate(top):
+                entry.setdefault(tok, Logprob(v, i + 1, self._piece(tok)))
+            req.prompt_logprobs.append(entry)
+
+    def _piece(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    # ---- metrics -------------------------------------------------------------------------------
+    def metrics(self) -> EngineMetrics:
+        m = self._metrics
+        u = self.pool.usage()
+        m.num_running = len(self.scheduler.running)
+        m.num_waiting = len(self.scheduler.waiting)
+        m.pool_usage = u.usage
+        m.pool_free_pages = u.free_pages
+        m.pool_total_pages = u.total_pages
+        m.pool_state_blocks = u.state_blocks
+        m.pool_kv_blocks = u.kv_blocks
+        m.num_preemptions = self.scheduler.num_preemptions
+        m.recomputed_tokens = self.scheduler.recomputed_tokens
+        m.num_compactions = self.pool.num_compactions
+        return m
+

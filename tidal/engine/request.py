@@ -1,0 +1,237 @@
+"""A request's state inside the engine, and the vLLM-shaped outputs it produces."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from tidal.engine.metrics import RequestMetrics
+from tidal.sampling_params import SamplingParams
+
+
+class TokenizerLike(Protocol):
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = ...) -> str: ...
+
+
+class RequestTooLongError(ValueError):
+    """A request that can never fit (context limit or the whole pool); rejected before acceptance."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Logprob:
+    """As vLLM: the log-probability of a token, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+
+
+class IncrementalDetokenizer:
+    """Text of the generated tokens, extended one token at a time.
+
+    Decodes a short window (from the last emitted boundary) and emits only text that no longer
+    ends in a partial UTF-8 character, so multi-byte characters split across tokens come out whole.
+    """
+
+    def __init__(self, tokenizer: TokenizerLike, skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # start of the decode window
+        self._read = 0  # ids before this are already in ``text``
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def add(self, token_id: int) -> str:
+        """Append a token; returns the newly completed text (maybe empty)."""
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            delta = after[len(before) :]
+            self._prefix, self._read = self._read, len(self.ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """At the end: emit whatever is held back (an incomplete character decodes as U+FFFD)."""
+        if self._read < len(self.ids):
+            before = self._decode(self.ids[self._prefix : self._read])
+            self.text += self._decode(self.ids[self._prefix :])[len(before) :]
+            self._prefix = self._read = len(self.ids)
+        return self.text
+
+
+@dataclass
+class Request:
+    """One request: its tokens, how far the cache has computed them, and what it has produced.
+
+    ``token_ids`` is prompt + generated. After a preemption ``num_computed_tokens`` drops to 0 and
+    the whole of ``token_ids`` is prefilled again (recompute), so the output continues unchanged.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    max_tokens: int  # params.max_tokens, or what the context limit leaves
+    prompt: str | None = None
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    cumulative_logprob: float = 0.0
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def banned_tokens(self) -> tuple[int, ...]:
+        """Tokens that may not be sampled now: the stop tokens until ``min_tokens`` are out."""
+        if self.num_output_tokens >= self.params.min_tokens:
+            return ()
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        return tuple(eos) + tuple(self.params.stop_token_ids or ())
+
+    def prompt_logprob_positions(self, start: int, count: int) -> list[int]:
+        """Positions t in [start, start+count) whose logits score prompt token t+1 and are still
+        missing from ``prompt_logprobs`` (a recompute after preemption skips the ones it has)."""
+        if self.prompt_logprobs is None:
+            return []
+        lo = max(start, len(self.prompt_logprobs) - 1)
+        hi = min(start + count, self.num_prompt_tokens - 1)
+        return list(range(lo, hi))
+
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token and decide whether the request is finished."""
+        self.token_ids.append(token_id)
+        p = self.params
+        is_eos = not p.ignore_eos and token_id in self.eos_token_ids
+        is_stop = token_id in (p.stop_token_ids or ())
+        if is_eos or is_stop:  # never inside min_tokens: the sampler bans them there
+            # The stop token's text is not part of the output (as vLLM).
+            self._finish("stop", token_id if is_stop else None)
+            return
+        if self.detokenizer is not None:
+            before = len(self.text)
+            self.detokenizer.add(token_id)
+            self.text = self.detokenizer.text
+            if p.stop_strings and self.num_output_tokens > p.min_tokens and self._check_stop_strings(before):
+                return
+        if self.num_output_tokens >= self.max_tokens:
+            if self.detokenizer is not None:
+                self.text = self.detokenizer.flush()
+            self._finish("length", None)
+
+    def _check_stop_strings(self, before: int) -> bool:
+        best: tuple[int, str] | None = None
+        for s in self.params.stop_strings:
+            i = self.text.find(s, max(0, before - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        self.text = self.text[: i + len(s)] if self.params.include_stop_str_in_output else self.text[:i]
+        self._finish("stop", s)
+        return True
+
+    def _finish(self, reason: str, stop_reason: int | str | None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def abort(self) -> None:
+        self._finish("abort", None)
+
+    def to_output(self) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=self.text,
+            token_ids=self.output_token_ids,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            outputs=[completion],
+            finished=self.finished,
+            metrics=self.metrics,
+        )
+

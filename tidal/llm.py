@@ -1,0 +1,124 @@
+"""Offline API, as vLLM's: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+import torch
+
+from tidal.config import parse_dtype
+from tidal.engine.core import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, EngineCore
+from tidal.engine.request import RequestOutput
+from tidal.model.kimi import KimiForCausalLM
+from tidal.sampling_params import SamplingParams
+
+PromptType = Union[str, dict[str, Any]]
+
+
+def _default_model_dir() -> Path:
+    from tidal.embedded import embedded_model_dir
+
+    path = embedded_model_dir()
+    if not (path / "config.json").exists():
+        raise ValueError(f"the embedded model is not installed at {path}; pass a checkpoint directory as model=")
+    return path
+
+
+class LLM:
+    """An engine over one model.
+
+    ``model``: a checkpoint directory, None for the embedded default model, or an in-memory
+    :class:`KimiForCausalLM` (converted to ``dtype`` when one is given). ``tokenizer``: any object
+    with ``encode``/``decode``; by default the checkpoint's ``tokenizer.json`` unless
+    ``skip_tokenizer_init``. ``kv_cache_memory_bytes`` sets the memory pool size exactly.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | KimiForCausalLM | None = None,
+        dtype: str | torch.dtype | None = "float32",
+        skip_tokenizer_init: bool = False,
+        kv_cache_memory_bytes: int | None = None,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_model_len: int | None = None,
+        page_size: int = 16,
+        device: str | torch.device | None = None,
+        mem_fraction_static: float | None = None,
+        tokenizer: Any | None = None,
+    ) -> None:
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if isinstance(model, torch.nn.Module):
+            net = model
+            if dtype is not None and net.dtype != parse_dtype(dtype):
+                net = net.to_dtype(parse_dtype(dtype))
+            model_dir = None
+        else:
+            from tidal.model.checkpoint import load_model
+
+            model_dir = Path(model) if model is not None else _default_model_dir()
+            net = load_model(model_dir, parse_dtype(dtype or "float32"), device)
+        if tokenizer is None and model_dir is not None and not skip_tokenizer_init:
+            from tidal.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = None if skip_tokenizer_init else tokenizer
+        config = EngineConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            page_size=page_size,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+        )
+        if mem_fraction_static is not None:
+            config.mem_fraction_static = mem_fraction_static
+        self.engine = EngineCore(net, config, self.tokenizer)
+        self._ids = itertools.count()
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if not isinstance(prompt, str):
+            raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; pass {'prompt_token_ids': [...]} instead")
+        enc = self.tokenizer.encode(prompt)
+        return prompt, list(getattr(enc, "ids", enc))
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order. Every request is validated
+        before any runs, so an impossible one raises (RequestTooLongError) with nothing started."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        tokenized = [self._tokenize(p) for p in prompts]
+        ids = [str(next(self._ids)) for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, (text, token_ids), sp in zip(ids, tokenized, params):
+                self.engine.add_request(rid, token_ids, sp, prompt=text)
+                added.append(rid)
+        except ValueError:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"the engine stopped with {len(ids) - len(results)} requests unfinished")
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[rid] for rid in ids]
