@@ -7,7 +7,6 @@ Block AttnRes with >= 2 blocks, MXFP4 experts) at a size a CPU runs in milliseco
 
 from __future__ import annotations
 
-import copy
 import json
 from importlib import resources
 from typing import Any
@@ -33,6 +32,24 @@ def preset(name: str) -> ModelConfig:
     return ModelConfig.from_dict(preset_dict(name))
 
 
+def _shrink(text: dict[str, Any], hidden_size: int, num_layers: int, vocab_size: int, num_experts: int,
+            top_k: int) -> None:
+    """Resize a text config in place to test size; layers keep K3's pattern (every 4th and the last
+    are MLA)."""
+    mla = [i for i in range(1, num_layers + 1) if i % 4 == 0 or i == num_layers]
+    kda = [i for i in range(1, num_layers + 1) if i not in mla]
+    text.update(
+        hidden_size=hidden_size, num_hidden_layers=num_layers, vocab_size=vocab_size,
+        intermediate_size=2 * hidden_size, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=num_experts,
+        num_experts_per_token=top_k, num_shared_experts=1, moe_intermediate_size=32,
+        eos_token_id=vocab_size - 1, max_position_embeddings=4096,
+    )
+    text["linear_attn_config"] = dict(
+        text["linear_attn_config"], full_attn_layers=mla, kda_layers=kda, num_heads=2, head_dim=16
+    )
+
+
 def tiny_k3_dict(
     *,
     hidden_size: int = 64,
@@ -43,36 +60,15 @@ def tiny_k3_dict(
     num_experts: int = 8,
     top_k: int = 2,
 ) -> dict[str, Any]:
-    """A K3-layout config.json, every K3 feature on, sized for tests.
-
-    Layers follow K3's pattern (every 4th and the last are MLA)."""
-    mla = [i for i in range(1, num_layers + 1) if i % 4 == 0 or i == num_layers]
-    kda = [i for i in range(1, num_layers + 1) if i not in mla]
+    """A K3-layout config.json, every K3 feature on (q-LoRA, gated MLA, latent MoE, SiTU, AttnRes,
+    MXFP4 experts unless ``mxfp4=False``), sized for tests."""
     d = preset_dict("kimi-k3")
     t = d["text_config"]
+    _shrink(t, hidden_size, num_layers, vocab_size, num_experts, top_k)
     t.update(
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        vocab_size=vocab_size,
-        intermediate_size=2 * hidden_size,
-        num_attention_heads=2,
-        num_key_value_heads=2,
         q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        num_experts=num_experts,
-        num_experts_per_token=top_k,
-        num_shared_experts=1,
-        moe_intermediate_size=32,
         routed_expert_hidden_size=hidden_size // 2 if hidden_size // 2 % 32 == 0 else 32,
         attn_res_block_size=attn_res_block_size,
-        eos_token_id=vocab_size - 1,
-        max_position_embeddings=4096,
-    )
-    t["linear_attn_config"] = dict(
-        t["linear_attn_config"], full_attn_layers=mla, kda_layers=kda, num_heads=2, head_dim=16
     )
     if attn_res_block_size is None:
         del t["attn_res_block_size"]
@@ -88,32 +84,9 @@ def tiny_kimi_linear_dict(
 ) -> dict[str, Any]:
     """A Kimi Linear-layout config.json (q without LoRA, softplus KDA gate, low-rank output gate,
     SwiGLU, no AttnRes), sized for tests."""
-    mla = [i for i in range(1, num_layers + 1) if i % 4 == 0 or i == num_layers]
-    kda = [i for i in range(1, num_layers + 1) if i not in mla]
-    d = copy.deepcopy(preset_dict("kimi-linear-48b"))
-    d.update(
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        vocab_size=vocab_size,
-        intermediate_size=2 * hidden_size,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        num_experts=num_experts,
-        num_experts_per_token=top_k,
-        num_shared_experts=1,
-        moe_intermediate_size=32,
-        bos_token_id=vocab_size - 3,
-        eos_token_id=vocab_size - 1,
-        pad_token_id=vocab_size - 2,
-        max_position_embeddings=4096,
-    )
-    d["linear_attn_config"] = dict(
-        d["linear_attn_config"], full_attn_layers=mla, kda_layers=kda, num_heads=2, head_dim=16
-    )
+    d = preset_dict("kimi-linear-48b")
+    _shrink(d, hidden_size, num_layers, vocab_size, num_experts, top_k)
+    d.update(bos_token_id=vocab_size - 3, pad_token_id=vocab_size - 2)
     return d
 
 
