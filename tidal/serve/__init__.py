@@ -1,0 +1,1 @@
+"""The server: tokenizer-side pieces (detokenizer, chat formats, reply parsers) and the HTTP app."""
