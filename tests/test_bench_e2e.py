@@ -2,13 +2,7 @@
 concurrency sweep writes the table, the JSONL and the PNG; a short multi-turn row runs on chat."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 
 try:
@@ -19,44 +13,18 @@ except ImportError as e:  # the server is built in its own issue
 
 pytestmark = pytest.mark.skipif(SERVE_ERROR is not None, reason=SERVE_ERROR or "")
 
-from tidal.bench.cli import main
+from live_server import start_server  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tidal.bench.cli import main  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log, "w") as out:
-        cmd = [sys.executable, "-m", "tidal.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
+def server():
+    live = start_server()
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"tidal serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"tidal serve not healthy after 180 s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield url
+        yield live.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        live.stop()
 
 
 def read_rows(path):

@@ -1,0 +1,120 @@
+"""``tidal serve``: the OpenAI- and Anthropic-compatible server (the embedded model by default).
+
+SIGTERM / SIGINT: in-flight requests end at once (streams with an error event), the engine thread
+stops, the process exits. A second SIGINT forces the exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tidal.serve.app import DEFAULT_MAX_REQUEST_BYTES
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tidal serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
+                   help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY or x-api-key)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use; the first is reported (default: MODEL_DIR, or tidal-embedded)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and cache dtype (auto: bfloat16 on a GPU, float32 on a CPU)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda when available)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="memory pool size in bytes")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV pages and KDA state of earlier requests' prefixes")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="larger request bodies get 413")
+    p.add_argument("--reasoning-alias", action="store_true",
+                   help="also send reasoning as `reasoning` (vLLM's newer name) next to `reasoning_content`")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    return p
+
+
+def generation_defaults(model_dir: Path) -> dict[str, Any]:
+    """The sampling fields of the checkpoint's generation_config.json."""
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return {}
+    cfg = json.loads(path.read_text())
+    return {k: cfg[k] for k in SAMPLING_DEFAULT_KEYS if cfg.get(k) is not None}
+
+
+def _make_server(config: Any, on_exit: Callable[[], None]) -> Any:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, telling the app when a shutdown signal arrives: uvicorn would
+        otherwise wait for every open stream to finish before shutting down."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            on_exit()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    import torch
+    import uvicorn
+
+    from tidal.config import ConfigError
+    from tidal.embedded import embedded_model_dir
+    from tidal.engine.core import DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from tidal.llm import LLM
+    from tidal.serve.app import ServerConfig, create_app
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    model_dir = Path(args.model_dir) if args.model_dir else embedded_model_dir()
+    try:
+        llm = LLM(model_dir, dtype=dtype, device=device, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                  max_model_len=args.max_model_len,
+                  max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                  enable_prefix_caching=args.enable_prefix_caching)
+    except (ValueError, OSError, ConfigError) as e:
+        print(f"tidal serve: {e}", file=sys.stderr)
+        return 2
+    names = args.served_model_name or [args.model_dir or "tidal-embedded"]
+    config = ServerConfig(
+        served_model_names=names, model_path=str(model_dir), api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes, generation_defaults=generation_defaults(model_dir),
+        reasoning_alias=args.reasoning_alias,
+        info={"args": {k: v for k, v in vars(args).items() if k != "api_key"}},
+    )
+    app = create_app(llm.engine, config)
+    client = app.state.tidal.client
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                               access_log=args.access_log, timeout_graceful_shutdown=5)
+    server = _make_server(uv_config, lambda: client.fail_all_threadsafe("the server is shutting down"))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after the clean shutdown
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
