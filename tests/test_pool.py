@@ -1,5 +1,6 @@
-"""The shared memory pool: planner layout, exact capacity, fullest-first pages, compaction, and the
-pool-backed SequenceCache against the SimpleCache reference."""
+"""The shared memory pool: planner layout, exact capacity, fullest-first pages, compaction, shared
+(reference-counted, copy-on-write) pages, and the pool-backed SequenceCache against the
+SimpleCache reference."""
 
 from __future__ import annotations
 
@@ -171,3 +172,48 @@ def test_pool_cache_matches_simple_cache(dtype):
             got = model.compute_logits(model(ids, ForwardBatch(q, c, view)))
             want = model.compute_logits(model(ids, simple_batch(config, q, ref, c)))
             assert torch.equal(got, want)
+
+
+def test_shared_pages_are_refcounted_copied_on_write_and_remapped_by_compaction():
+    pool = make_pool(num_blocks=4)
+    start = pool.usage()
+    ppb, ps, C = pool.pages_per_block, pool.page_size, pool.config.mla_cache_width
+
+    def write(page: int, rows: torch.Tensor) -> None:
+        b, s = torch.tensor([page // ppb]), torch.tensor([page % ppb])
+        pool.write_latents(0, b.repeat(ps), s.repeat(ps), torch.arange(ps), rows)
+
+    def read(page: int) -> torch.Tensor:
+        return pool.read_latents(0, torch.tensor([page // ppb]), torch.tensor([page % ppb]), ps)
+
+    for o in range(ppb):  # one full KV block of one-page owners
+        assert pool.reserve(o, ps)
+    assert pool.reserve("a", 3 * ps)  # a second KV block
+    data = [torch.randn(ps, C) for _ in range(3)]
+    for page, rows in zip(pool.page_table("a"), data):
+        write(page, rows)
+    for o in range(ppb - 4):
+        pool.free(o)
+    pool.share("b", pool.page_table("a")[:2])
+    assert [pool.refcount(p) for p in pool.page_table("a")] == [2, 2, 1]
+    used = pool.usage().used_pages
+    pool.free("a")
+    assert pool.usage().used_pages == used - 1  # only the page b does not hold went
+    b_pages = list(pool.page_table("b"))
+    assert pool.unshare_last_page("b") and pool.page_table("b") == b_pages  # sole holder: no copy
+    pool.share("c", pool.page_table("b"))
+    old = pool.page_table("c")[-1]
+    assert pool.unshare_last_page("c")
+    new = pool.page_table("c")[-1]
+    assert new != old and pool.refcount(old) == 1 and pool.refcount(new) == 1 and torch.equal(read(new), data[1])
+    # The third state block needs a compaction; it empties b's block (the emptiest), whose first
+    # page c shares: both tables follow the move.
+    for name in "xyz":
+        assert pool.alloc_state(name)
+    assert pool.num_compactions == 1 and pool.page_table("b") != b_pages
+    assert pool.page_table("b")[0] == pool.page_table("c")[0]
+    assert torch.equal(read(pool.page_table("c")[0]), data[0]) and torch.equal(read(pool.page_table("b")[1]), data[1])
+    assert pool.refcount(pool.page_table("b")[0]) == 2
+    for owner in ["b", "c", "x", "y", "z", *range(ppb - 4, ppb)]:
+        pool.free(owner)
+    assert pool.usage() == start

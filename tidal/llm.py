@@ -33,6 +33,7 @@ class LLM:
     :class:`KimiForCausalLM` (converted to ``dtype`` when one is given). ``tokenizer``: any object
     with ``encode``/``decode``; by default the checkpoint's ``tokenizer.json`` unless
     ``skip_tokenizer_init``. ``kv_cache_memory_bytes`` sets the memory pool size exactly.
+    ``enable_prefix_caching`` / ``prefix_snapshot_interval``: see :class:`EngineConfig`.
     """
 
     def __init__(
@@ -47,6 +48,8 @@ class LLM:
         device: str | torch.device | None = None,
         mem_fraction_static: float | None = None,
         tokenizer: Any | None = None,
+        enable_prefix_caching: bool = True,
+        prefix_snapshot_interval: int | None = None,
     ) -> None:
         device = torch.device(device) if device is not None else torch.device("cpu")
         if isinstance(model, torch.nn.Module):
@@ -69,7 +72,10 @@ class LLM:
             max_model_len=max_model_len,
             page_size=page_size,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enable_prefix_caching=enable_prefix_caching,
         )
+        if prefix_snapshot_interval is not None:
+            config.prefix_snapshot_interval = prefix_snapshot_interval
         if mem_fraction_static is not None:
             config.mem_fraction_static = mem_fraction_static
         self.engine = EngineCore(net, config, self.tokenizer)

@@ -17,6 +17,11 @@ remapped). With compaction the pool behaves as ``num_blocks * pages_per_block`` 
 page units, a state costing a whole block of them: :meth:`MemoryPool.can_allocate` is therefore
 exact, and a scheduler that checks it never sees an allocation fail.
 
+Pages are reference-counted: a page may sit in several owners' tables (a request's and the prefix
+cache's nodes, :mod:`tidal.cache.prefix`), and returns to the pool when the last holder lets go.
+Owners that are :class:`CacheOwner` hold evictable memory: the pool's :attr:`MemoryPool.evictor`
+frees it on demand, so every capacity question counts it as free (:attr:`available_pages`).
+
 Bytes are moved with gathers/scatters on uint8 views and reinterpreted with ``Tensor.view(dtype)``
 on the (fresh, contiguous) gathered copies, so no offset inside the pool needs any alignment.
 """
@@ -24,7 +29,7 @@ on the (fresh, contiguous) gathered copies, so no offset inside the pool needs a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Hashable, Protocol
 
 import torch
 
@@ -57,8 +62,26 @@ class PoolUsage:
         return 1.0 - self.free_pages / max(1, self.total_pages)
 
 
+class CacheOwner:
+    """Base of owners whose memory belongs to the prefix cache: evictable, never a request's."""
+
+    __slots__ = ()
+
+
+class Evictor(Protocol):
+    """What frees cache memory when requests need it (the prefix cache)."""
+
+    def evictable_units(self) -> int:
+        """Page units evicting everything possible now would free (exact)."""
+        ...
+
+    def evict(self, units: int) -> None:
+        """Free at least ``units`` page units (the caller checked they are evictable)."""
+        ...
+
+
 class MemoryPool:
-    """Block allocator over one buffer, keyed by an owner (a request id)."""
+    """Block allocator over one buffer, keyed by an owner (a request id or a cache node)."""
 
     def __init__(
         self,
@@ -112,8 +135,10 @@ class MemoryPool:
         self._by_used: list[set[int]] = [set() for _ in range(ppb + 1)]  # KV blocks by pages used
         self._states: dict[Hashable, int] = {}
         self._tables: dict[Hashable, list[int]] = {}
-        self._owner: dict[int, tuple[Hashable, int]] = {}  # page id -> (owner, index in its table)
+        self._holders: dict[int, list[tuple[Hashable, int]]] = {}  # page id -> (owner, index in its table)
         self._used_pages = 0
+        self.cache_only_pages = 0  # pages held by CacheOwners alone (evictable)
+        self.evictor: Evictor | None = None
         self.num_compactions = 0
         self.pages_moved = 0
 
@@ -126,6 +151,11 @@ class MemoryPool:
     def free_pages(self) -> int:
         """Free page units: every unheld block and every free page of a KV block."""
         return self.total_pages - self.pages_per_block * len(self._states) - self._used_pages
+
+    @property
+    def available_pages(self) -> int:
+        """Free page units plus what the evictor (the prefix cache) can free on demand."""
+        return self.free_pages + (self.evictor.evictable_units() if self.evictor is not None else 0)
 
     def usage(self) -> PoolUsage:
         kv = sum(1 for k in self._kind if k == KV)
@@ -147,8 +177,22 @@ class MemoryPool:
         return max(0, self.pages_for(num_tokens) - len(self._tables.get(owner, ())))
 
     def can_allocate(self, states: int, pages: int) -> bool:
-        """Whether ``states`` new state blocks and ``pages`` new pages fit now (exact, see module doc)."""
-        return states * self.pages_per_block + pages <= self.free_pages
+        """Whether ``states`` new state blocks and ``pages`` new pages fit now, evicting cache memory
+        if need be (exact, see module doc)."""
+        return states * self.pages_per_block + pages <= self.available_pages
+
+    def make_room(self, units: int) -> bool:
+        """Evict cache memory until ``units`` page units are free; False (nothing evicted) when
+        they are not available."""
+        if units <= self.free_pages:
+            return True
+        if units > self.available_pages:
+            return False
+        assert self.evictor is not None
+        self.evictor.evict(units - self.free_pages)
+        if self.free_pages < units:
+            raise RuntimeError(f"the evictor freed too little: {self.free_pages} free page units, {units} needed")
+        return True
 
     def units_for(self, owner: Hashable, num_tokens: int) -> int:
         """Page units ``owner`` needs to hold ``num_tokens`` tokens, counting a missing state."""
@@ -166,44 +210,123 @@ class MemoryPool:
         """Global page ids (block * pages_per_block + slot) of ``owner``, in token order."""
         return self._tables.get(owner, [])
 
+    def refcount(self, page: int) -> int:
+        """How many table entries hold ``page`` (0: free)."""
+        return len(self._holders.get(page, ()))
+
+    def is_cache_only(self, page: int) -> bool:
+        holders = self._holders.get(page)
+        return bool(holders) and all(isinstance(o, CacheOwner) for o, _ in holders)
+
     # ---- allocation ----------------------------------------------------------------------------
-    def alloc_state(self, owner: Hashable) -> bool:
-        """Give ``owner`` a zeroed state block; False (nothing changed) when it does not fit."""
+    def alloc_state(self, owner: Hashable, zero: bool = True) -> bool:
+        """Give ``owner`` a state block (zeroed unless ``zero=False``: it is about to be copied
+        over); False (nothing changed) when it does not fit even after evicting cache memory."""
         if owner in self._states:
             return True
-        if not self.can_allocate(1, 0):
+        if not self.make_room(self.pages_per_block):
             return False
         if not self._free_blocks:
             self._compact()
         block = self._free_blocks.pop()
         self._kind[block] = STATE
-        self.buffer[block, : self._state_bytes].zero_()
+        if zero:
+            self.buffer[block, : self._state_bytes].zero_()
         self._states[owner] = block
         return True
 
     def reserve(self, owner: Hashable, num_tokens: int) -> bool:
-        """Grow ``owner``'s page table to hold ``num_tokens`` tokens; False (nothing changed) when
-        the pages do not fit."""
+        """Grow ``owner``'s page table with fresh pages to hold ``num_tokens`` tokens; False
+        (nothing changed) when the pages do not fit even after evicting cache memory."""
         need = self.pages_needed(owner, num_tokens)
         if need == 0:
             return True
-        if not self.can_allocate(0, need):
+        if not self.make_room(need):
             return False
         table = self._tables.setdefault(owner, [])
         for _ in range(need):
             page = self._take_page()
-            self._owner[page] = (owner, len(table))
+            self._hold(owner, page, len(table))
             table.append(page)
         return True
 
-    def free(self, owner: Hashable) -> None:
-        """Release ``owner``'s state block and pages (unknown owners are a no-op)."""
+    def share(self, owner: Hashable, pages: list[int]) -> None:
+        """Append pages other owners hold to ``owner``'s table (one more reference each)."""
+        table = self._tables.setdefault(owner, [])
+        for page in pages:
+            if page not in self._holders:
+                raise ValueError(f"page {page} is free, it cannot be shared")
+            self._hold(owner, page, len(table))
+            table.append(page)
+
+    def set_table(self, owner: Hashable, pages: list[int]) -> None:
+        """Replace ``owner``'s table by ``pages`` (held pages, e.g. a slice of its own table);
+        pages no one holds any more are freed."""
+        old = self._tables.pop(owner, [])
+        new = list(pages)
+        if new:
+            self._tables[owner] = new
+        for i, page in enumerate(new):
+            if page not in self._holders:
+                raise ValueError(f"page {page} is free, it cannot be shared")
+            self._hold(owner, page, i)
+        for i, page in enumerate(old):
+            self._release(owner, page, i)
+
+    def unshare_last_page(self, owner: Hashable) -> bool:
+        """Copy-on-write: give ``owner`` a private copy of its last page when others hold it too
+        (``owner`` is about to write into it). False when the page does not fit."""
+        table = self._tables[owner]
+        page, index = table[-1], len(table) - 1
+        if self.refcount(page) == 1:
+            return True
+        if not self.make_room(1):
+            return False
+        new = self._take_page()
+        ppb = self.pages_per_block
+        self._pages[new // ppb, new % ppb] = self._pages[page // ppb, page % ppb]
+        table[index] = new
+        self._hold(owner, new, index)
+        self._release(owner, page, index)
+        return True
+
+    def copy_state(self, src: Hashable, dst: Hashable) -> None:
+        """Copy ``src``'s KDA state (every layer) into ``dst``'s state block."""
+        a, b = self._states[src], self._states[dst]
+        self.buffer[b, : self._state_bytes] = self.buffer[a, : self._state_bytes]
+
+    def move_state(self, src: Hashable, dst: Hashable) -> None:
+        """Hand ``src``'s state block to ``dst`` (no copy)."""
+        if dst in self._states:
+            raise ValueError(f"owner {dst!r} already has a state block")
+        self._states[dst] = self._states.pop(src)
+
+    def free_state(self, owner: Hashable) -> None:
+        """Release ``owner``'s state block only (its pages stay)."""
         block = self._states.pop(owner, None)
         if block is not None:
             self._kind[block] = FREE
             self._free_blocks.append(block)
-        for page in self._tables.pop(owner, []):
-            del self._owner[page]
+
+    def free(self, owner: Hashable) -> None:
+        """Release ``owner``'s state block and its references to pages (unknown owners are a no-op)."""
+        self.free_state(owner)
+        for i, page in enumerate(self._tables.pop(owner, [])):
+            self._release(owner, page, i)
+
+    def _hold(self, owner: Hashable, page: int, index: int) -> None:
+        holders = self._holders.setdefault(page, [])
+        before = self.is_cache_only(page)
+        holders.append((owner, index))
+        self.cache_only_pages += self.is_cache_only(page) - before
+
+    def _release(self, owner: Hashable, page: int, index: int) -> None:
+        before = self.is_cache_only(page)
+        holders = self._holders[page]
+        holders.remove((owner, index))
+        self.cache_only_pages += self.is_cache_only(page) - before
+        if not holders:
+            del self._holders[page]
             self._give_page(page)
 
     def _take_page(self) -> int:
@@ -252,9 +375,10 @@ class MemoryPool:
         dst_s = torch.tensor([p % ppb for p in dests], device=self.device)
         self._pages[dst_b, dst_s] = self._pages[src_b, src_s]
         for old, new in zip(moves, dests):
-            owner, index = self._owner.pop(old)
-            self._owner[new] = (owner, index)
-            self._tables[owner][index] = new
+            holders = self._holders.pop(old)
+            self._holders[new] = holders
+            for owner, index in holders:
+                self._tables[owner][index] = new
         self._used_pages -= len(moves)
         del self._slot_free[source]
         self._kind[source] = FREE

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tidal.cache.pool import MemoryPool
+from tidal.cache.prefix import PrefixCache
 from tidal.engine.metrics import EngineMetrics, RequestMetrics
 from tidal.engine.request import (
     IncrementalDetokenizer,
@@ -22,9 +23,9 @@ from tidal.engine.request import (
     RequestOutput,
     RequestTooLongError,
 )
-from tidal.engine.runner import ModelRunner
+from tidal.engine.runner import ModelRunner, StepLogits
 from tidal.engine.sampler import SampleRow, prompt_logprobs, sample
-from tidal.engine.scheduler import Scheduler
+from tidal.engine.scheduler import ScheduledBatch, Scheduler
 from tidal.model.kimi import KimiForCausalLM
 from tidal.plan import Plan, PoolLayout, plan_for_pool, plan_table
 from tidal.sampling_params import SamplingParams
@@ -35,6 +36,12 @@ logger = logging.getLogger("tidal.engine")
 CPU_POOL_FRACTION = 0.2
 DEFAULT_MEM_FRACTION_STATIC = 0.9
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# Prefix cache: a KDA state snapshot at least every this many tokens of a prefill. A multiple of
+# the KDA chunk (64) and of the usual page sizes; a lone long prompt prefills in chunks of at most
+# this many tokens, and a prefix shared by different prompts resumes at a multiple of it (the
+# snapshots at prompt and request ends are exact). 256 (SGLang's mamba_track_interval) halves
+# those chunks for little gain: the next turn of a conversation hits the previous turn's end.
+DEFAULT_PREFIX_SNAPSHOT_INTERVAL = 512
 
 
 @dataclass
@@ -48,6 +55,10 @@ class EngineConfig:
     page_size: int = 16
     kv_cache_memory_bytes: int | None = None
     mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC
+    # Reuse the KV pages and KDA state of earlier requests' prefixes (tidal.cache.prefix).
+    enable_prefix_caching: bool = True
+    # Tokens between KDA state snapshots inside a prefill (0: only at prompt and request ends).
+    prefix_snapshot_interval: int = DEFAULT_PREFIX_SNAPSHOT_INTERVAL
 
 
 def available_ram_bytes() -> int:
@@ -104,7 +115,10 @@ class EngineCore:
         )
         self.layout: PoolLayout = self.plan.layout
         self.pool = MemoryPool(self.model_config, self.layout, self.dtype, self.device)
-        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens)
+        self.prefix_cache: PrefixCache | None = None
+        if config.enable_prefix_caching:
+            self.prefix_cache = PrefixCache(self.pool, config.prefix_snapshot_interval)
+        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, self.prefix_cache)
         self.runner = ModelRunner(model, self.pool)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.requests: dict[str, Request] = {}
@@ -135,6 +149,11 @@ class EngineCore:
             lay.kv_tokens_per_rank, lay.max_requests(self.max_model_len), self.max_model_len,
             lay.max_requests(1), self.max_request_len,
         )
+        if self.prefix_cache is not None:
+            logger.info("prefix cache: on, a KDA state snapshot every %d prefill tokens and at prompt and "
+                        "request ends (one block each, evicted LRU)", self.prefix_cache.snapshot_interval)
+        else:
+            logger.info("prefix cache: off")
         logger.info("plan:\n%s", plan_table(self.plan))
 
     # ---- requests ------------------------------------------------------------------------------
@@ -228,18 +247,24 @@ class EngineCore:
             if self.scheduler.has_unfinished():  # a scheduler bug, never a capacity limit
                 raise RuntimeError("the scheduler scheduled nothing while requests wait")
             return []
-        for req, c in zip(batch.requests, batch.cached_lens):
-            if c == 0 and req.metrics.num_preemptions == 0:
-                self._metrics.prompt_tokens += req.num_prompt_tokens
+        for req in batch.new_requests:
+            self._metrics.prompt_tokens += req.num_prompt_tokens
         logits = self.runner.execute(batch)
         self._metrics.num_steps += 1
         for b, (positions, lg) in logits.prompt.items():
             self._record_prompt_logprobs(batch.requests[b], positions, lg)
         for req, n in zip(batch.requests, batch.query_lens):
             req.num_computed_tokens += n
+        snap = [r for r, c, n in zip(batch.requests, batch.cached_lens, batch.query_lens)
+                if self.scheduler.snapshot_due(r, c, n)]
+        outputs = self._sample(batch, logits) if logits.sample_logits is not None else []
+        for req in snap:
+            if not req.finished:  # a finished one handed its state to the cache already
+                self.scheduler.snapshot(req)
+        return outputs
+
+    def _sample(self, batch: ScheduledBatch, logits: StepLogits) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        if logits.sample_logits is None:
-            return outputs
         reqs = [batch.requests[b] for b in logits.sample_seqs]
         rows = [SampleRow(r.params, r.generator, r.banned_tokens()) for r in reqs]
         now = time.monotonic()
@@ -255,7 +280,7 @@ class EngineCore:
             self._metrics.generation_tokens += 1
             if req.finished:
                 req.metrics.finished_time = now
-                self.scheduler.remove(req)
+                self.scheduler.finish(req)
                 self.requests.pop(req.request_id, None)
                 self._metrics.num_requests_finished += 1
             outputs.append(req.to_output())
@@ -275,6 +300,16 @@ class EngineCore:
             return None
         return self.tokenizer.decode([token_id])
 
+    # ---- prefix cache --------------------------------------------------------------------------
+    def flush_prefix_cache(self) -> bool:
+        """Drop every cached prefix: all pages and snapshots not also held by a running request
+        return to the pool at once (running requests are unaffected). Call it between steps, from
+        the thread that steps. False when prefix caching is disabled (nothing to flush)."""
+        if self.prefix_cache is None:
+            return False
+        self.prefix_cache.flush()
+        return True
+
     # ---- metrics -------------------------------------------------------------------------------
     def metrics(self) -> EngineMetrics:
         m = self._metrics
@@ -289,5 +324,11 @@ class EngineCore:
         m.num_preemptions = self.scheduler.num_preemptions
         m.recomputed_tokens = self.scheduler.recomputed_tokens
         m.num_compactions = self.pool.num_compactions
+        m.prefix_cache_queries = self.scheduler.prefix_queries
+        m.prefix_cache_hits = self.scheduler.prefix_hits
+        if self.prefix_cache is not None:
+            m.prefix_cache_snapshots = self.prefix_cache.num_snapshots
+            m.prefix_cache_pages = self.pool.cache_only_pages
+            m.prefix_cache_evicted_snapshots = self.prefix_cache.num_evicted_snapshots
         return m
 

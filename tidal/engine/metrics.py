@@ -65,3 +65,14 @@ class EngineMetrics:
     num_requests_finished: int = 0
     num_requests_aborted: int = 0
     num_requests_rejected: int = 0
+    # Prefix cache (all 0 when it is disabled).
+    prefix_cache_queries: int = 0  # prompt tokens looked up, once per request
+    prefix_cache_hits: int = 0  # of those, tokens served from the cache
+    prefix_cache_snapshots: int = 0  # KDA state snapshots held now (one pool block each)
+    prefix_cache_pages: int = 0  # KV pages only the cache holds now (evictable)
+    prefix_cache_evicted_snapshots: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens / queried tokens (0 before any query)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

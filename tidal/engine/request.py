@@ -58,6 +58,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
 
 
 class IncrementalDetokenizer:
@@ -104,7 +105,9 @@ class Request:
     """One request: its tokens, how far the cache has computed them, and what it has produced.
 
     ``token_ids`` is prompt + generated. After a preemption ``num_computed_tokens`` drops to 0 and
-    the whole of ``token_ids`` is prefilled again (recompute), so the output continues unchanged.
+    the whole of ``token_ids`` is prefilled again (recompute, from a prefix cache hit when there is
+    one), so the output continues unchanged. ``num_cached_tokens``: prompt tokens the prefix cache
+    served at first admission.
     """
 
     request_id: str
@@ -119,6 +122,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
@@ -233,5 +237,6 @@ class Request:
             outputs=[completion],
             finished=self.finished,
             metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
