@@ -205,6 +205,25 @@ def test_cached_tokens_and_flush_cache(server, oai):
     assert oai.chat.completions.create(messages=turn2, **kw).usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_five_turn_conversation_hits_the_prefix_cache(server, oai):
+    """Each turn re-sends the whole conversation with the model's real replies: the cache serves at
+    least every earlier turn's prompt (the issue's bound, previous length rounded down to the
+    snapshot interval, is implied: the prompt's end always has a snapshot)."""
+    messages = [{"role": "system", "content": "You are a terse coding agent."}]
+    kw = {"model": MODEL, "max_completion_tokens": 6, "extra_body": {"ignore_eos": True}}
+    prompt_lens, cached = [], []
+    for turn in range(5):
+        messages.append({"role": "user", "content": f"Step {turn}: list the files in src/ and explain one."})
+        r = oai.chat.completions.create(messages=messages, **kw)
+        prompt_lens.append(r.usage.prompt_tokens)
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        m = r.choices[0].message
+        messages.append({"role": "assistant", "content": m.content or "",
+                         "reasoning_content": getattr(m, "reasoning_content", None) or ""})
+    for t in range(1, 5):
+        assert prompt_lens[t - 1] <= cached[t] < prompt_lens[t], (prompt_lens, cached)
+
+
 def test_chat_stream_without_usage_has_no_usage_chunk(server):
     events = sse_events(server, "/v1/chat/completions", {
         "model": MODEL, "messages": MESSAGES, "max_completion_tokens": 3, "stream": True, "ignore_eos": True})

@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages and KDA state of earlier requests' prefixes")
+    p.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
+                   help="same as --no-enable-prefix-caching")
+    p.add_argument("--prefix-snapshot-interval", type=int, default=None,
+                   help="snapshot the KDA state every N prompt tokens for prefix hits (default: the engine's)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413")
     p.add_argument("--reasoning-alias", action="store_true",
@@ -93,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(model_dir, dtype=dtype, device=device, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                   max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                  enable_prefix_caching=args.enable_prefix_caching)
+                  enable_prefix_caching=args.enable_prefix_caching,
+                  prefix_snapshot_interval=args.prefix_snapshot_interval)
     except (ValueError, OSError, ConfigError) as e:
         print(f"tidal serve: {e}", file=sys.stderr)
         return 2
