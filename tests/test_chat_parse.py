@@ -14,7 +14,7 @@ from tidal.serve.chat import (
     ToolCallDelta,
     ToolCallStart,
 )
-from tidal.serve.detokenizer import Detokenizer
+from tidal.detokenizer import Detokenizer
 from tidal.tokenizer import load_tokenizer, save_tiktoken_ranks
 
 K3 = K3Format()

@@ -398,7 +398,7 @@ TOOL_ARGS = [("get_weather", {"city": 'Paris "FR"', "days": 3}), ("search", {"q"
 
 def reply_deltas(tok, text: str) -> list:
     """The engine client's deltas for ``text`` generated token by token, then EOS (no text)."""
-    from tidal.serve.detokenizer import Detokenizer
+    from tidal.detokenizer import Detokenizer
     from tidal.serve.engine_client import TokenDelta
 
     ids = tok.encode(text, allow_special=True) + [tok.special_tokens["<|end_of_msg|>"]]

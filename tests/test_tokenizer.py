@@ -8,7 +8,7 @@ import regex
 
 from tidal.embedded import write_byte_tokenizer
 from tidal.serve.chat import K3Format
-from tidal.serve.detokenizer import Detokenizer
+from tidal.detokenizer import Detokenizer
 from tidal.tokenizer import (
     KIMI_PAT_STR,
     HFTokenizer,

@@ -15,9 +15,9 @@ import torch
 
 from tidal.cache.pool import MemoryPool
 from tidal.cache.prefix import PrefixCache
+from tidal.detokenizer import Detokenizer
 from tidal.engine.metrics import EngineMetrics, RequestMetrics
 from tidal.engine.request import (
-    IncrementalDetokenizer,
     Logprob,
     Request,
     RequestOutput,
@@ -210,7 +210,7 @@ class EngineCore:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            detok = Detokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         return Request(
             request_id=rid,
             prompt_token_ids=ids,

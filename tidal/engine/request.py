@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
+from tidal.detokenizer import Detokenizer
 from tidal.engine.metrics import RequestMetrics
 from tidal.sampling_params import SamplingParams
-
-
-class TokenizerLike(Protocol):
-    def decode(self, ids: list[int], *, skip_special_tokens: bool = ...) -> str: ...
 
 
 class RequestTooLongError(ValueError):
@@ -61,45 +57,6 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
 
 
-class IncrementalDetokenizer:
-    """Text of the generated tokens, extended one token at a time.
-
-    Decodes a short window (from the last emitted boundary) and emits only text that no longer
-    ends in a partial UTF-8 character, so multi-byte characters split across tokens come out whole.
-    """
-
-    def __init__(self, tokenizer: TokenizerLike, skip_special_tokens: bool) -> None:
-        self.tokenizer = tokenizer
-        self.skip = skip_special_tokens
-        self.ids: list[int] = []
-        self.text = ""
-        self._prefix = 0  # start of the decode window
-        self._read = 0  # ids before this are already in ``text``
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
-
-    def add(self, token_id: int) -> str:
-        """Append a token; returns the newly completed text (maybe empty)."""
-        self.ids.append(token_id)
-        before = self._decode(self.ids[self._prefix : self._read])
-        after = self._decode(self.ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            delta = after[len(before) :]
-            self._prefix, self._read = self._read, len(self.ids)
-            self.text += delta
-            return delta
-        return ""
-
-    def flush(self) -> str:
-        """At the end: emit whatever is held back (an incomplete character decodes as U+FFFD)."""
-        if self._read < len(self.ids):
-            before = self._decode(self.ids[self._prefix : self._read])
-            self.text += self._decode(self.ids[self._prefix :])[len(before) :]
-            self._prefix = self._read = len(self.ids)
-        return self.text
-
-
 @dataclass
 class Request:
     """One request: its tokens, how far the cache has computed them, and what it has produced.
@@ -117,7 +74,7 @@ class Request:
     max_tokens: int  # params.max_tokens, or what the context limit leaves
     prompt: str | None = None
     generator: torch.Generator | None = None
-    detokenizer: IncrementalDetokenizer | None = None
+    detokenizer: Detokenizer | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)
@@ -194,8 +151,6 @@ class Request:
             if p.stop_strings and self.num_output_tokens > p.min_tokens and self._check_stop_strings(before):
                 return
         if self.num_output_tokens >= self.max_tokens:
-            if self.detokenizer is not None:
-                self.text = self.detokenizer.flush()
             self._finish("length", None)
 
     def _check_stop_strings(self, before: int) -> bool:
@@ -212,6 +167,9 @@ class Request:
         return True
 
     def _finish(self, reason: str, stop_reason: int | str | None) -> None:
+        if self.detokenizer is not None and not isinstance(stop_reason, str):
+            self.detokenizer.flush()  # bytes of an unfinished character come out as U+FFFD
+            self.text = self.detokenizer.text
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason

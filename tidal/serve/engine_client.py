@@ -23,7 +23,6 @@ from tidal.engine.core import EngineCore
 from tidal.engine.metrics import EngineMetrics
 from tidal.engine.request import Logprob, RequestOutput
 from tidal.sampling_params import SamplingParams
-from tidal.serve.detokenizer import Detokenizer, TokenBytes
 
 logger = logging.getLogger("tidal.serve")
 
@@ -70,38 +69,20 @@ class EngineStats:
 
 
 class _Track:
-    """Engine-thread bookkeeping of one request: its output text, detokenised here from the token
-    bytes (special tokens as their names unless skipped, so reply parsers see the markers), and how
-    much of it has been posted. Stop strings are found by the engine; here the text is cut where
-    the stop string starts and the last ``len(longest stop) - 1`` characters are held back until
-    the end, so nothing that is later cut is ever sent."""
+    """Engine-thread bookkeeping of one request: how much of its output has been posted. The text is
+    the engine's (detokenised once there, stop strings already cut); while the request runs the
+    last ``len(longest stop) - 1`` characters are held back, since a stop string still arriving
+    may cut them."""
 
-    def __init__(self, tokenizer: TokenBytes | None, params: SamplingParams) -> None:
-        self.detok = Detokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens) if tokenizer else None
+    def __init__(self, params: SamplingParams) -> None:
         stops = params.stop_strings
         self.holdback = max(map(len, stops)) - 1 if stops else 0
-        self.include_stop = params.include_stop_str_in_output
         self.num_tokens = 0
         self.num_text = 0
         self.sent_prompt_logprobs = False
 
-    def text_delta(self, new_ids: list[int], finished: bool, finish_reason: str | None,
-                   stop_reason: int | str | None) -> str:
-        if self.detok is None:
-            return ""
-        if finished and finish_reason == "stop" and not isinstance(stop_reason, str) and new_ids:
-            new_ids = new_ids[:-1]  # the EOS / stop token's text is not part of the output (as vLLM)
-        self.detok.add_many(new_ids)
-        if finished:
-            self.detok.flush()
-        text = self.detok.text
-        if not finished:
-            end = max(self.num_text, len(text) - self.holdback)
-        elif finish_reason == "stop" and isinstance(stop_reason, str):
-            i = text.find(stop_reason, max(0, self.num_text - self.holdback))
-            end = len(text) if i < 0 else max(self.num_text, i + len(stop_reason) if self.include_stop else i)
-        else:
-            end = len(text)
+    def text_delta(self, text: str, finished: bool) -> str:
+        end = len(text) if finished else max(self.num_text, len(text) - self.holdback)
         delta, self.num_text = text[self.num_text:end], end
         return delta
 
@@ -303,7 +284,7 @@ class EngineClient:
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
                 fut.set_exception(e)
                 return
-            self._tracks[r.request_id] = _Track(self.engine.tokenizer, r.params)
+            self._tracks[r.request_id] = _Track(r.params)
             fut.set_result(None)
         elif cmd[0] == "idle_call":
             self._idle_calls.append(cmd[1:])
@@ -332,7 +313,7 @@ class EngineClient:
         delta = TokenDelta(
             request_id=out.request_id,
             token_ids=new_ids,
-            text=tr.text_delta(new_ids, out.finished, comp.finish_reason, comp.stop_reason),
+            text=tr.text_delta(comp.text, out.finished),
             logprobs=comp.logprobs[tr.num_tokens:] if comp.logprobs is not None else None,
             num_prompt_tokens=len(out.prompt_token_ids),
             num_output_tokens=len(comp.token_ids),
