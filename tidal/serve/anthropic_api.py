@@ -18,7 +18,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tidal.sampling_params import SamplingParams
-from tidal.serve.chat import ContentDelta, Event, ReasoningDelta, ReplyParser, ToolCallStart
+from tidal.serve.chat import (
+    ContentDelta,
+    Event,
+    ReasoningDelta,
+    ReplyParser,
+    ToolCallStart,
+)
 from tidal.serve.engine_client import EngineError, RequestStream, TokenDelta
 from tidal.serve.errors import APIError, anthropic_envelope, bad_request
 

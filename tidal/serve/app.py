@@ -25,9 +25,27 @@ from tidal.engine.core import EngineCore
 from tidal.engine.request import RequestTooLongError
 from tidal.serve import anthropic_api as anth
 from tidal.serve import openai_api as oai
-from tidal.serve.chat import ChatFormat, RenderedPrompt, chat_format_for, thinking_effort
-from tidal.serve.engine_client import EngineClient, EngineError, EngineRequest, RequestStream, TokenDelta
-from tidal.serve.errors import APIError, bad_request, context_length_error, error_bytes, install_error_handlers
+from tidal.serve import openai_protocol as proto
+from tidal.serve.chat import (
+    ChatFormat,
+    RenderedPrompt,
+    chat_format_for,
+    thinking_effort,
+)
+from tidal.serve.engine_client import (
+    EngineClient,
+    EngineError,
+    EngineRequest,
+    RequestStream,
+    TokenDelta,
+)
+from tidal.serve.errors import (
+    APIError,
+    bad_request,
+    context_length_error,
+    error_bytes,
+    install_error_handlers,
+)
 from tidal.serve.metrics import ServerMetrics
 
 logger = logging.getLogger("tidal.serve")
@@ -323,7 +341,7 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
 
     # ---- tokenizer ----------------------------------------------------------------------------
     @app.post("/tokenize")
-    async def tokenize(body: oai.TokenizeRequest) -> dict:
+    async def tokenize(body: proto.TokenizeRequest) -> dict:
         if body.model is not None:
             st.check_model(body.model)
         tok = st.need_tokenizer()
@@ -342,7 +360,7 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
         return out
 
     @app.post("/detokenize")
-    async def detokenize(body: oai.DetokenizeRequest) -> dict:
+    async def detokenize(body: proto.DetokenizeRequest) -> dict:
         if body.model is not None:
             st.check_model(body.model)
         tok = st.need_tokenizer()
@@ -354,7 +372,7 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
 
     # ---- OpenAI -------------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: oai.ChatCompletionRequest, request: Request) -> Any:
+    async def chat_completions(body: proto.ChatCompletionRequest, request: Request) -> Any:
         st.check_model(body.model)
         body.check_supported()
         prompt, ids = await st.render(body.message_dicts(), tools=body.tool_dicts(), tool_choice=body.tool_choice,
@@ -377,7 +395,7 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
         return oai.chat_response(await collect(request, stream), acc)
 
     @app.post("/v1/completions")
-    async def completions(body: oai.CompletionRequest, request: Request) -> Any:
+    async def completions(body: proto.CompletionRequest, request: Request) -> Any:
         st.check_model(body.model)
         body.check_supported()
         cid = oai.new_id("cmpl")

@@ -1,0 +1,231 @@
+"""OpenAI request models (with the vLLM/SGLang extensions bench clients send) and their conversion
+to :class:`SamplingParams`.
+
+Requests are validated by pydantic (errors become 400s). Unknown fields are ignored, as
+OpenAI-compatible servers do; known fields the engine cannot honour (penalties, logit bias, n > 1)
+are rejected rather than ignored. ``tool_choice`` and ``response_format`` become system
+instructions in the prompt (the chat formats render them); the engine has no constrained decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.sampling_params import SamplingParams
+from tidal.serve.errors import bad_request
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Open(BaseModel):
+    """Chat content is handed to the renderer as sent: unknown fields are kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class FunctionCall(_Open):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(_Open):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Open):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Open):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ContentPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class _SamplingFields(_Model):
+    """Fields both OpenAI routes share."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise bad_request("n > 1 is not supported; send one request per completion", "n")
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if getattr(self, name) not in (None, neutral):
+                raise bad_request(f"{name} is not supported (only {neutral})", name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any],
+                        *, skip_special_tokens: bool | None = None, prompt_logprobs: int | None = None
+                        ) -> SamplingParams:
+        """The engine's parameters; ``defaults`` (the checkpoint's generation_config) fill the
+        sampling fields the request left out."""
+
+        def pick(name: str, fallback: Any) -> Any:
+            v = getattr(self, name)
+            return v if v is not None else defaults.get(name, fallback)
+
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=float(pick("temperature", 1.0)),
+                top_p=float(pick("top_p", 1.0)),
+                top_k=int(pick("top_k", -1)),
+                min_p=float(pick("min_p", 0.0)),
+                seed=self.seed,
+                stop=self.stop,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            raise bad_request(str(e).removeprefix("SamplingParams.")) from e
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.continue_final_message:
+            raise bad_request("continue_final_message is not supported by the Kimi chat formats",
+                              "continue_final_message")
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        """The messages as the chat renderers take them (OpenAI-shaped dicts, as sent)."""
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        """``max_completion_tokens`` (what bench clients send) wins over the older ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of not in (None, 1):
+            raise bad_request("best_of > 1 is not supported", "best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of text or token-id prompts."""
+        p = self.prompt
+        if isinstance(p, str):
+            out: list[str | list[int]] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            out = [list(p)]  # type: ignore[arg-type]
+        else:
+            out = list(p)  # type: ignore[arg-type]
+        if not out or any(len(x) == 0 for x in out):
+            raise bad_request("the prompt is empty", "prompt")
+        return out
+
+
+class TokenizeRequest(_Model):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
+
+
