@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tidal.config import ModelConfig
 from tidal.model.context import SimpleCache, simple_batch
 from tidal.model.kda import KimiDeltaAttention
-from tidal.ops.kda import kda_chunked, kda_gate, kda_recurrent, l2_normalize
+from tidal.ops.kda import kda_chunked, kda_decode_step_, kda_gate, kda_recurrent, l2_normalize
 from tidal.ops.short_conv import causal_conv, causal_conv_step
 from tidal.presets import tiny_k3, tiny_k3_dict, tiny_kimi_linear
 
@@ -81,6 +81,18 @@ def test_chunked_other_chunk_sizes(chunk_size: int) -> None:
     o, s = kda_chunked(q, k, v, g, beta, state, chunk_size=chunk_size)
     torch.testing.assert_close(o, o_ref, rtol=0, atol=1e-10)
     torch.testing.assert_close(s, s_ref, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("decay", ["strong", "mild"])
+def test_decode_step_matches_recurrent(decay: str) -> None:
+    """The in-place decode step, chained over 12 tokens, equals the token-by-token reference."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, g, beta, state = kernel_inputs(gen, 12, decay)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, state)
+    s = state.clone()
+    outs = [kda_decode_step_(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s) for t in range(12)]
+    torch.testing.assert_close(torch.stack(outs, 1), o_ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=1e-12)
 
 
 def test_kernels_continue_across_calls() -> None:

@@ -10,7 +10,7 @@ from torch import nn
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
 from tidal.model.layers import compute_dtype, linear, rms_norm
-from tidal.ops.kda import kda_chunked, kda_gate, kda_recurrent, l2_normalize
+from tidal.ops.kda import kda_chunked, kda_decode_step_, kda_gate, kda_recurrent, l2_normalize
 from tidal.ops.short_conv import causal_conv, causal_conv_step
 
 # Prefill pieces up to this many tokens run the token-by-token kernel (fewer ops than one chunk).
@@ -24,6 +24,7 @@ class _Split:
     decode_seqs: torch.Tensor  # batch rows of the single-token sequences
     decode_tokens: torch.Tensor  # their positions in the flat token run
     prefill: list[int]  # sequences bringing more than one token (empty ones are skipped)
+    all_decode: bool  # every sequence brings one token: states are used whole, no gather/scatter
 
     @classmethod
     def of(cls, batch: ForwardBatch, device: torch.device) -> "_Split":
@@ -33,6 +34,7 @@ class _Split:
             torch.tensor(decode, dtype=torch.long, device=device),
             torch.tensor([cu[b] for b in decode], dtype=torch.long, device=device),
             [b for b, n in enumerate(batch.query_lens) if n > 1],
+            len(decode) == batch.num_seqs,
         )
 
 
@@ -103,7 +105,10 @@ class KimiDeltaAttention(nn.Module):
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         out = torch.empty_like(qkv)
         seqs, toks = split.decode_seqs, split.decode_tokens
-        if len(seqs):
+        if split.all_decode:
+            out, new = causal_conv_step(qkv, weight, state)
+            state.copy_(new)
+        elif len(seqs):
             out[toks], state[seqs] = causal_conv_step(qkv[toks], weight, state[seqs])
         for b in split.prefill:
             sl = batch.token_slice(b)
@@ -119,10 +124,12 @@ class KimiDeltaAttention(nn.Module):
         T = inputs[0].shape[0]
         o = torch.empty(T, self.num_heads, state.shape[-1], dtype=state.dtype, device=state.device)
         seqs, toks = split.decode_seqs, split.decode_tokens
+        if split.all_decode:
+            return kda_decode_step_(*inputs, state).to(state.dtype)
         if len(seqs):
-            one = [t[toks].unsqueeze(1) for t in inputs]
-            o_dec, state[seqs] = kda_recurrent(*one, state[seqs])
-            o[toks] = o_dec[:, 0]
+            rows = state[seqs]
+            o[toks] = kda_decode_step_(*(t[toks] for t in inputs), rows).to(state.dtype)
+            state[seqs] = rows
         for b in split.prefill:
             sl = batch.token_slice(b)
             kernel = kda_recurrent if batch.query_lens[b] <= RECURRENT_MAX_LEN else kda_chunked

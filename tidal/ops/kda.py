@@ -67,6 +67,26 @@ def kda_recurrent(
     return torch.cat(outs, dim=-2).transpose(1, 2).to(out_dtype), S
 
 
+def kda_decode_step_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """One decode token per sequence, updating ``state`` [B, H, K, V] IN PLACE: the fast form of
+    :func:`kda_recurrent` at T == 1 (three passes over the state instead of five, no copies).
+
+    q, k, g [B, H, K], v [B, H, V], beta [B, H]; returns o [B, H, V] in v's dtype."""
+    dt = state.dtype
+    q, k, v, g, beta = (t.to(dt) for t in (q, k, v, g, beta))
+    state.mul_(g.exp().unsqueeze(-1))
+    r = (v.unsqueeze(-2) - k.unsqueeze(-2) @ state) * beta[..., None, None]  # [B, H, 1, V]
+    state.addcmul_(k.unsqueeze(-1), r)  # + k r^T, the outer product broadcast
+    return (q.unsqueeze(-2) @ state).squeeze(-2).to(v.dtype)
+
+
 def kda_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
