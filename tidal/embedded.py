@@ -1,9 +1,27 @@
 """The embedded default model that ships inside the package, and how it was made.
 
-Until tidal trains its own (the "Embedded default model" issue), the embedded checkpoint is a
-small Kimi-K3-architecture model with seeded random weights and a byte-level tokenizer carrying
-K3's special tokens: every K3 feature (KDA, gated NoPE MLA, latent MoE with SiTU, Block AttnRes,
-MXFP4 routed experts) runs, but its text is noise.
+``tidal/assets/embedded`` holds a small Kimi-K3-architecture model trained by tidal itself on CPU:
+a byte-level BPE tokenizer (8192 tokens with K3's special tokens) and 19.4M parameters in the K3
+layout (KDA + gated NoPE MLA, latent MoE with SiTU, Block AttnRes), routed experts in MXFP4 after
+quantisation-aware training; 23.4 MB on disk. Trained on the running interpreter's standard library
+(12 modules held out, tidal.train.data.HELDOUT_MODULES) and synthetic K3-format conversations,
+1450 steps of 4 x 512 tokens (2.97M tokens, 86 min on 2 shared CPU cores) in two resumed runs::
+
+    OMP_WAIT_POLICY=PASSIVE nice -n 10 tidal train --out /tmp/tidal-train --time-limit 60 --export /tmp/tidal-fp32
+    OMP_WAIT_POLICY=PASSIVE nice -n 10 tidal train --out /tmp/tidal-train --steps 1450 --chat-fraction 0.5 \
+        --time-limit 40 --export /tmp/tidal-fp32
+    tidal quantize /tmp/tidal-fp32 tidal/assets/embedded
+
+Measured (``python benchmarks/eval_embedded.py --twin /tmp/tidal-fp32 --run-dir /tmp/tidal-train``):
+held-out loss 4.771 nats/token (perplexity 118) against a unigram baseline of 7.301 (1482); 71% of
+100 greedy completions of held-out function headers parse with ``ast`` (the bodies are generic
+stdlib-style code, not what the name asks for); 8% of 50 held-out tool prompts give a valid call of
+the right tool (all 50 replies are well-formed XTML calls with typed arguments, but all of
+get_weather: at this training budget the model has not learnt to pick the tool from the request);
+MXFP4 minus fp32-twin held-out loss +0.0008 nats/token.
+
+:func:`write_random_embedded_model` still writes a seeded random-weight twin with a byte-level
+tokenizer, for tests and benchmarks that need a K3-layout checkpoint without the trained one.
 """
 
 from __future__ import annotations
@@ -27,16 +45,17 @@ def embedded_model_dir() -> Path:
 
 
 def embedded_config_dict(vocab_size: int) -> dict[str, Any]:
-    """Kimi-K3 layout at ~10M parameters: 8 layers (6 KDA, 2 MLA), 16 experts top-2 in MXFP4,
-    AttnRes blocks of 4."""
+    """Kimi-K3 layout at ~19M parameters: hidden 256, 8 layers (KDA at 1-3, 5-7; MLA at 4 and 8,
+    the last layer MLA as in K3), a dense first layer, 32 routed experts top-2 at latent width 128
+    plus one shared expert, SiTU, AttnRes blocks of 4, MXFP4 routed experts."""
     from tidal.presets import tiny_k3_dict
 
     d = tiny_k3_dict(hidden_size=256, num_layers=8, vocab_size=vocab_size, attn_res_block_size=4,
-                     num_experts=16, top_k=2)
+                     num_experts=32, top_k=2)
     t = d["text_config"]
     t.update(
         intermediate_size=512, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128,
-        kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, first_k_dense_replace=1,
         moe_intermediate_size=128, routed_expert_hidden_size=128, max_position_embeddings=8192,
     )
     t["linear_attn_config"].update(num_heads=4, head_dim=64)

@@ -1,0 +1,187 @@
+"""The embedded model's measured figures (issue "Embedded default model", "Measured"):
+
+- held-out loss and perplexity on the held-out stdlib modules, against a unigram baseline fitted
+  on the training tokens;
+- the share of greedy completions of held-out function headers that Python's ``ast`` parses;
+- the share of held-out tool-use prompts whose reply parses (with the server's K3 parser) into a
+  valid tool call naming the right tool;
+- (by running the loss on two checkpoints) the gap between the MXFP4 model and its fp32 twin.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import textwrap
+
+import torch
+import torch.nn.functional as F
+
+from tidal.model.context import SimpleCache, simple_batch
+from tidal.model.kimi import KimiForCausalLM
+from tidal.train.conversations import TOOLS, Conversation, heldout_tool_prompts
+
+TOOL_PROMPT_SEED = 1234  # held-out tool prompts: their own seed and held-out entity pools
+
+
+# ---- loss -------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def stream_loss(model: KimiForCausalLM, stream: torch.Tensor, seq_len: int = 512, batch_size: int = 8) -> tuple[float, int]:
+    """Mean next-token loss over ``stream`` cut into consecutive windows of seq_len + 1 tokens
+    (each window a fresh sequence; consecutive windows share one boundary token). Returns
+    (mean loss in nats, number of predicted tokens)."""
+    starts = list(range(0, len(stream) - 1, seq_len))
+    total, count = 0.0, 0
+    for i in range(0, len(starts), batch_size):
+        rows = [stream[s : s + seq_len + 1].long() for s in starts[i : i + batch_size]]
+        lens = [len(r) - 1 for r in rows]
+        cache = SimpleCache(model.config, len(rows), model.dtype)
+        batch = simple_batch(model.config, lens, cache, [0] * len(rows))
+        logits = model.compute_logits(model(torch.cat([r[:-1] for r in rows]), batch))
+        targets = torch.cat([r[1:] for r in rows])
+        total += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
+        count += len(targets)
+    return total / count, count
+
+
+def unigram_loss(train_counts: torch.Tensor, stream: torch.Tensor) -> float:
+    """Cross-entropy of ``stream`` under add-one-smoothed training-token frequencies."""
+    p = (train_counts.double() + 1) / (train_counts.sum() + len(train_counts))
+    return float(-p.log()[stream[1:].long()].mean())
+
+
+# ---- greedy generation ------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: KimiForCausalLM, prompts: list[list[int]], max_new: int, stop_ids: set[int]
+) -> list[tuple[list[int], bool]]:
+    """Greedy continuations of all prompts in one batch (prefill, then batched decode steps).
+    Returns (new tokens, whether a stop token ended it) per prompt; the stop token is not included."""
+    B = len(prompts)
+    cache = SimpleCache(model.config, B, model.dtype)
+    batch = simple_batch(model.config, [len(p) for p in prompts], cache, [0] * B)
+    hidden = model(torch.tensor([t for p in prompts for t in p]), batch)
+    logits = model.compute_logits(hidden[batch.last_token_indices()])
+    lengths = [len(p) for p in prompts]
+    out: list[list[int]] = [[] for _ in range(B)]
+    stopped = [False] * B
+    for step in range(max_new):
+        nxt = logits.argmax(-1).tolist()
+        for b, t in enumerate(nxt):
+            if not stopped[b]:
+                if t in stop_ids:
+                    stopped[b] = True
+                else:
+                    out[b].append(t)
+        if all(stopped) or step == max_new - 1:
+            break
+        batch = simple_batch(model.config, [1] * B, cache, lengths)
+        logits = model.compute_logits(model(torch.tensor(nxt), batch))
+        lengths = [n + 1 for n in lengths]
+    return list(zip(out, stopped))
+
+
+# ---- function headers -------------------------------------------------------------------------------
+
+
+def function_headers(sources: dict[str, str], limit: int, seed: int = 0) -> list[str]:
+    """Up to ``limit`` function headers (``def ...:`` lines, dedented, no decorators, no body)
+    from ``sources``, a fixed random sample."""
+    headers = []
+    for _, text in sorted(sources.items()):
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            first_body = node.body[0].lineno
+            if first_body <= node.lineno:
+                continue  # one-line def
+            header = textwrap.dedent("\n".join(lines[node.lineno - 1 : first_body - 1])).rstrip()
+            if header.endswith(":") and "#" not in header:
+                try:
+                    ast.parse(header + "\n    pass")
+                except SyntaxError:
+                    continue
+                headers.append(header)
+    random.Random(seed).shuffle(headers)
+    return headers[:limit]
+
+
+def completion_parses(header: str, completion: str, ended: bool) -> bool:
+    """Whether header + the completion's function body parses. The body runs until the first
+    non-blank line back at column 0 (the function ended); a completion cut by the token limit
+    loses its last, possibly partial, line. An empty body fails."""
+    lines = completion.split("\n")
+    if lines and lines[0].strip():
+        return False  # the body must start on a new line
+    body = []
+    finished = ended
+    for line in lines[1:]:
+        if line.strip() and not line[0].isspace():
+            finished = True
+            break
+        body.append(line)
+    if not finished and body:
+        body.pop()
+    if not any(line.strip() for line in body):
+        return False
+    try:
+        ast.parse(header + "\n" + "\n".join(body))
+        return True
+    except SyntaxError:
+        return False
+
+
+# ---- tool calls -------------------------------------------------------------------------------------
+
+_TYPES = {"string": (str,), "number": (int, float), "integer": (int,), "boolean": (bool,)}
+
+
+def tool_call_check(reply: str, conv: Conversation) -> tuple[bool, bool]:
+    """(valid call naming the right tool, right tool named at all) for one reply, parsed with the
+    server's K3 parser. Valid: the first call's arguments are a JSON object with every required
+    key, no unknown key, and every value of its declared type."""
+    from tidal.serve.chat import K3Format
+
+    parsed = K3Format().parse_full(reply, thinking=True)
+    if not parsed.tool_calls:
+        return False, False
+    call = parsed.tool_calls[0]
+    if call.name != conv.tool:
+        return False, False
+    spec = TOOLS[call.name]
+    try:
+        args = json.loads(call.arguments or "{}")
+    except json.JSONDecodeError:
+        return False, True
+    if not isinstance(args, dict) or not set(spec.required) <= set(args) or not set(args) <= set(spec.params):
+        return False, True
+    for key, value in args.items():
+        kind = spec.params[key][0]
+        if isinstance(value, bool) and kind != "boolean" or not isinstance(value, _TYPES[kind]):
+            return False, True
+    return True, True
+
+
+def header_rate(model: KimiForCausalLM, tokenizer, headers: list[str], max_new: int = 128) -> tuple[float, list[str]]:
+    """Share of greedy completions of ``headers`` that parse (see :func:`completion_parses`), and the completions."""
+    stop = {tokenizer.token_id("[EOS]"), tokenizer.token_id("<|end_of_msg|>")}
+    results = greedy_generate(model, [tokenizer.encode(h) for h in headers], max_new, stop)
+    texts = [tokenizer.decode(ids) for ids, _ in results]
+    ok = [completion_parses(h, t, ended) for h, t, (_, ended) in zip(headers, texts, results)]
+    return sum(ok) / max(1, len(ok)), texts
+
+
+def tool_rates(model: KimiForCausalLM, tokenizer, n: int, max_new: int = 160) -> tuple[float, float, list[str]]:
+    """(valid right-tool call share, right-tool share, replies) over ``n`` held-out tool prompts."""
+    convs = heldout_tool_prompts(random.Random(TOOL_PROMPT_SEED), n)
+    prompts = [c.render(add_generation_prompt=True).token_ids(tokenizer) for c in convs]
+    stop = {tokenizer.token_id("<|end_of_msg|>")}
+    replies = [tokenizer.decode(ids) for ids, _ in greedy_generate(model, prompts, max_new, stop)]
+    checks = [tool_call_check(r, c) for r, c in zip(replies, convs)]
+    return sum(v for v, _ in checks) / n, sum(r for _, r in checks) / n, replies
