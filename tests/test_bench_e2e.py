@@ -53,7 +53,7 @@ def test_concurrency_sweep_writes_table_jsonl_png(server, tmp_path, capsys):
 
 def test_multiturn_row_on_chat(server, tmp_path):
     prefix = tmp_path / "agent"
-    # The embedded model's tokenizer is byte-level and prefill runs on CPU: keep the shared prefix small.
+    # Prefill runs on a CPU: keep the shared prefix small.
     rc = main(["--base-url", server, "--dataset", "multiturn", "--max-concurrency", "2", "--max-duration", "4",
                "--system-len", "50", "--tool-result-len", "30", "--output-len", "4", "--turns", "2,3", "--tools", "0",
                "--task-len", "20",

@@ -1,6 +1,6 @@
 """``tidal serve`` end to end: a real server process on a free 127.0.0.1 port (the embedded model),
 driven by the official ``openai`` and ``anthropic`` SDKs and by raw HTTP where the SDKs hide the
-wire format. The embedded model's text is noise, so the tests check protocol behaviour and token
+wire format. The embedded model is tiny, so the tests check protocol behaviour and token
 accounting, not content: counts against the tokenizer and chat renderer run here in the test,
 streamed pieces against the non-streamed reply of the same greedy request.
 
