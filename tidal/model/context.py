@@ -47,6 +47,7 @@ class ForwardBatch:
     cached_lens: list[int]
     cache: SequenceCache
     _cu: list[int] = field(default_factory=list, repr=False)
+    _rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.query_lens) != len(self.cached_lens):
@@ -55,6 +56,21 @@ class ForwardBatch:
         for n in self.query_lens:
             cu.append(cu[-1] + n)
         self._cu = cu
+        # Every attention layer runs single-token sequences together and longer ones one by one;
+        # the split is the same for all layers, so it is computed once per step.
+        self.decode_seqs = [b for b, n in enumerate(self.query_lens) if n == 1]
+        self.prefill_seqs = [b for b, n in enumerate(self.query_lens) if n > 1]
+
+    def decode_rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index tensors of the single-token sequences: (batch positions, positions in the flat
+        token run), built once per step and device."""
+        key = str(device)
+        if key not in self._rows:
+            self._rows[key] = (
+                torch.tensor(self.decode_seqs, dtype=torch.long, device=device),
+                torch.tensor([self._cu[b] for b in self.decode_seqs], dtype=torch.long, device=device),
+            )
+        return self._rows[key]
 
     @property
     def num_seqs(self) -> int:

@@ -48,17 +48,15 @@ class KimiMLA(nn.Module):
         batch.cache.mla_write(self.mla_index, self._latents(x))
         w = self.kv_b_proj.weight
         out = x.new_empty(T, n, self.v_dim)
-        decodes = [b for b in range(batch.num_seqs) if batch.query_lens[b] == 1]
-        if decodes:
-            rows = torch.tensor([batch.cu_seqlens[b] for b in decodes], device=x.device)
-            latents, lengths = pad_latents([batch.cache.mla_read(self.mla_index, b) for b in decodes])
+        if batch.decode_seqs:
+            rows = batch.decode_rows(x.device)[1]
+            latents, lengths = pad_latents([batch.cache.mla_read(self.mla_index, b) for b in batch.decode_seqs])
             o = mla_absorbed_attention(q_nope[rows, None], q_pe[rows, None], latents, lengths, w, self.scale)
             out[rows] = o[:, 0]
-        for b in range(batch.num_seqs):
-            if batch.query_lens[b] > 1:
-                sl = batch.token_slice(b)
-                latents = batch.cache.mla_read(self.mla_index, b)
-                out[sl] = mla_naive_attention(q_nope[sl], q_pe[sl], latents, w, self.scale)
+        for b in batch.prefill_seqs:
+            sl = batch.token_slice(b)
+            latents = batch.cache.mla_read(self.mla_index, b)
+            out[sl] = mla_naive_attention(q_nope[sl], q_pe[sl], latents, w, self.scale)
         out = out.reshape(T, n * self.v_dim)
         if self.config.mla_use_output_gate:
             cdt = compute_dtype(x.dtype)

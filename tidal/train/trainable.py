@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from tidal.model.context import ForwardBatch
-from tidal.model.kda import KimiDeltaAttention, _Split
+from tidal.model.kda import KimiDeltaAttention
 from tidal.model.kimi import KimiForCausalLM
 from tidal.model.layers import compute_dtype
 from tidal.model.moe import Experts
@@ -40,7 +40,7 @@ class TrainableKDA(KimiDeltaAttention):
         if any(batch.cached_lens):
             raise ValueError("TrainableKDA runs fresh sequences only (cached_lens must all be 0)")
 
-    def _short_conv(self, qkv: torch.Tensor, state: torch.Tensor, batch: ForwardBatch, split: _Split) -> torch.Tensor:
+    def _short_conv(self, qkv: torch.Tensor, state: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Causal depthwise conv + SiLU from a zero state, all sequences in one conv call."""
         self._check(batch)
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])  # [C, 1, W]
@@ -56,7 +56,7 @@ class TrainableKDA(KimiDeltaAttention):
         return _ungroup(outs, batch)
 
     def _delta_rule(
-        self, inputs: tuple[torch.Tensor, ...], state: torch.Tensor, batch: ForwardBatch, split: _Split
+        self, inputs: tuple[torch.Tensor, ...], state: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         """Chunked KDA from a zero state, equal-length sequences batched; the cache is not touched."""
         self._check(batch)
