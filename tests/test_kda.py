@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from tidal.config import ModelConfig
 from tidal.model.context import SimpleCache, simple_batch
 from tidal.model.kda import KimiDeltaAttention
+from tidal.ops import kda as kda_ops
 from tidal.ops.kda import kda_chunked, kda_decode_step_, kda_gate, kda_recurrent, l2_normalize
 from tidal.ops.short_conv import causal_conv, causal_conv_step
 from tidal.presets import tiny_k3, tiny_k3_dict, tiny_kimi_linear
@@ -81,6 +82,96 @@ def test_chunked_other_chunk_sizes(chunk_size: int) -> None:
     o, s = kda_chunked(q, k, v, g, beta, state, chunk_size=chunk_size)
     torch.testing.assert_close(o, o_ref, rtol=0, atol=1e-10)
     torch.testing.assert_close(s, s_ref, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("chunk_size", [32, 24])
+@pytest.mark.parametrize("floor", [-20.0, -50.0, -1000.0])
+def test_chunked_extreme_decay(floor: float, chunk_size: int) -> None:
+    """Per-channel decays down to `floor` per token (Kimi Linear's gate is unbounded), mixed with
+    channels that barely decay: finite in float32 and equal to the recurrent kernel in float64."""
+    gen = torch.Generator().manual_seed(int(-floor))
+    q, k, v, _, beta, state = kernel_inputs(gen, 150, "mild")
+    g = floor * torch.rand(B, 150, H, K, dtype=F64, generator=gen) ** 3  # most channels mild, some extreme
+    g[..., : K // 4] = floor  # and a quarter of the channels at the floor on every token
+    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, state)
+    o, s = kda_chunked(q, k, v, g, beta, state, chunk_size=chunk_size)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=1e-10)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=1e-10)
+    o32, s32 = kda_chunked(*(t.float() for t in (q, k, v, g, beta, state)), chunk_size=chunk_size)
+    assert torch.isfinite(o32).all() and torch.isfinite(s32).all()
+    torch.testing.assert_close(o32, o_ref.float(), rtol=0, atol=1e-4)
+    torch.testing.assert_close(s32, s_ref.float(), rtol=0, atol=1e-4)
+
+
+def pad_tokens(inputs: tuple[torch.Tensor, ...], extra: int) -> tuple[torch.Tensor, ...]:
+    """Append `extra` padding tokens (q = k = v = 0, g = 0, beta = 0) to q, k, v, g, beta."""
+    return tuple(torch.cat([t, t.new_zeros(t.shape[0], extra, *t.shape[2:])], dim=1) for t in inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_chunked_zero_padding_changes_no_bit(dtype: torch.dtype) -> None:
+    """Padding tokens after a sequence, inside its last chunk or as whole extra chunks, leave its
+    outputs and final state bit-identical (what batching sequences of unequal lengths relies on)."""
+    gen = torch.Generator().manual_seed(21)
+    *inputs, state = (t.to(dtype) for t in kernel_inputs(gen, 45, "mixed"))
+    o, s = kda_chunked(*inputs, state)
+    for extra in (1, 19, 20, 64, 100):
+        o_pad, s_pad = kda_chunked(*pad_tokens(tuple(inputs), extra), state)
+        assert torch.equal(o_pad[:, :45], o) and torch.equal(s_pad, s), extra
+
+
+def test_chunked_batch_equals_each_alone() -> None:
+    """Sequences of unequal lengths zero-padded into one float32 call get exactly the bits of their
+    own unpadded calls (one thread: the kernels' per-row arithmetic does not depend on the batch)."""
+    gen = torch.Generator().manual_seed(22)
+    lengths = [70, 17, 128, 33]
+    seqs = [tuple(t.float() for t in kernel_inputs(gen, n, "mixed")) for n in lengths]  # each B = 2
+    longest = max(lengths)
+    padded = [pad_tokens(s[:5], longest - n) for s, n in zip(seqs, lengths)]
+    batched = [torch.cat(parts) for parts in zip(*padded)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        o_all, s_all = kda_chunked(*batched, torch.cat([s[5] for s in seqs]))
+        alone = [kda_chunked(*s) for s in seqs]
+    finally:
+        torch.set_num_threads(threads)
+    for i, (n, (o, s)) in enumerate(zip(lengths, alone)):
+        rows = slice(2 * i, 2 * i + 2)
+        assert torch.equal(o_all[rows, :n], o) and torch.equal(s_all[rows], s), n
+
+
+def test_chunked_autograd_path_gives_the_same_bits() -> None:
+    """With inputs that require grad the kernel works out of place; its forward result is the
+    in-place path's, bit for bit."""
+    gen = torch.Generator().manual_seed(23)
+    inputs = [t.float() for t in kernel_inputs(gen, 77, "mixed")]
+    for chunk_size in (32, 24):
+        o, s = kda_chunked(*inputs, chunk_size=chunk_size)
+        o_grad, s_grad = kda_chunked(*(t.clone().requires_grad_() for t in inputs), chunk_size=chunk_size)
+        assert o_grad.requires_grad and torch.equal(o_grad, o) and torch.equal(s_grad, s)
+
+
+@pytest.mark.parametrize("chunk_size", [32, 24])
+def test_chunked_tiles_give_the_same_bits(chunk_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large calls compute their chunks in tiles; tiles of 3 chunk rows (not dividing the 20 or
+    28 rows of this call) give exactly the untiled result."""
+    gen = torch.Generator().manual_seed(24)
+    inputs = [t.float() for t in kernel_inputs(gen, 150, "mixed")]
+    o, s = kda_chunked(*inputs, chunk_size=chunk_size)
+    monkeypatch.setattr(kda_ops, "TILE_TOKENS", 3 * chunk_size)
+    o_tiled, s_tiled = kda_chunked(*inputs, chunk_size=chunk_size)
+    assert torch.equal(o_tiled, o) and torch.equal(s_tiled, s)
+
+
+@pytest.mark.parametrize("T", [64, 77])
+def test_chunked_leaves_its_inputs_alone(T: int) -> None:
+    """The in-place path only writes buffers of its own (whole chunks or not, state included)."""
+    gen = torch.Generator().manual_seed(25)
+    inputs = [t.float() for t in kernel_inputs(gen, T, "mixed")]
+    before = [t.clone() for t in inputs]
+    kda_chunked(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(inputs, before))
 
 
 @pytest.mark.parametrize("decay", ["strong", "mild"])
@@ -170,11 +261,11 @@ def test_causal_conv_pieces_steps_and_conv1d(W: int) -> None:
     T, C = 23, 6
     x = torch.randn(T, C, dtype=F64, generator=gen)
     w = torch.randn(C, W, dtype=F64, generator=gen)
-    zero = torch.zeros(C, W - 1, dtype=F64)
+    zero = torch.zeros(W - 1, C, dtype=F64)
     # independent reference: depthwise conv over the zero-left-padded sequence, then SiLU
     padded = torch.cat([torch.zeros(W - 1, C, dtype=F64), x]).t().unsqueeze(0)
     ref = F.silu(F.conv1d(padded, w.unsqueeze(1), groups=C))[0].t()
-    ref_state = torch.cat([zero.t(), x])[-(W - 1):].t() if W > 1 else zero
+    ref_state = torch.cat([zero, x])[-(W - 1):] if W > 1 else zero
 
     whole, state = causal_conv(x, w, zero)
     torch.testing.assert_close(whole, ref, rtol=0, atol=1e-12)
@@ -188,7 +279,7 @@ def test_causal_conv_pieces_steps_and_conv1d(W: int) -> None:
     torch.testing.assert_close(state, ref_state, rtol=0, atol=0)
 
     # token by token in a batch of two sequences: the second is the first shifted by 5 tokens
-    states = torch.zeros(2, C, W - 1, dtype=F64)
+    states = torch.zeros(2, W - 1, C, dtype=F64)
     steps = []
     for t in range(T):
         xt = torch.stack([x[t], x[t - 5] if t >= 5 else torch.zeros(C, dtype=F64)])

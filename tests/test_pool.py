@@ -217,3 +217,56 @@ def test_shared_pages_are_refcounted_copied_on_write_and_remapped_by_compaction(
     for owner in ["b", "c", "x", "y", "z", *range(ppb - 4, ppb)]:
         pool.free(owner)
     assert pool.usage() == start
+
+
+def test_request_states_take_the_lowest_blocks_cache_and_kv_the_highest():
+    """Running requests' states stay side by side at the bottom (one strided view per decode run);
+    KV blocks and the prefix cache's snapshots fill from the top; a state handed to the cache moves
+    up when a higher block is free."""
+    from tidal.cache.pool import CacheOwner
+
+    pool = make_pool(num_blocks=8)
+    top = pool.num_blocks - 1
+    pool.alloc_state("a")
+    pool.reserve("a", 1)
+    snap = CacheOwner()
+    pool.alloc_state(snap)
+    pool.alloc_state("b")
+    assert (pool.state_block("a"), pool.state_block("b")) == (0, 1)
+    assert pool.state_block(snap) == top - 1 and pool.page_table("a")[0] // pool.pages_per_block == top
+    pool.buffer[0, :64] = 7
+    done = CacheOwner()
+    pool.move_state("a", done)  # request "a" finished: its state goes to the cache, upwards
+    assert pool.state_block(done) == top - 2 and bool((pool.buffer[top - 2, :64] == 7).all())
+    pool.alloc_state("c")
+    assert pool.state_block("c") == 0  # the freed bottom block is reused by the next request
+
+
+def test_decode_on_scattered_state_blocks_matches_simple_cache():
+    """States in several runs of blocks (gaps left by finished requests, batch order unlike block
+    order) are stepped in place and give exactly the reference logits."""
+    config = tiny_k3()
+    model = init_weights(KimiForCausalLM(config), seed=1).eval()
+    pool = make_pool(num_blocks=24)
+    for owner in ["e", "gap1", "d", "c", "gap2", "b", "a"]:
+        pool.alloc_state(owner)
+    pool.free("gap1")
+    pool.free("gap2")
+    owners = list("abcde")
+    assert len({pool.state_block(o) for o in owners}) == 5
+    ref = SimpleCache(config, 5, torch.float32)
+    rng = torch.Generator().manual_seed(3)
+    lens = [7, 3, 20, 1, 12]
+    tokens = [torch.randint(0, 250, (n + 4,), generator=rng) for n in lens]
+    steps = [(lens, [0] * 5)] + [([1] * 5, [n + i for n in lens]) for i in range(4)]
+    with torch.inference_mode():
+        for q, c in steps:
+            ids = torch.cat([t[cc : cc + qq] for t, qq, cc in zip(tokens, q, c)])
+            for o, qq, cc in zip(owners, q, c):
+                assert pool.reserve(o, qq + cc)
+            view = PoolCacheView(pool, owners, q, c)
+            batch = ForwardBatch(q, c, view)
+            got = model.compute_logits(model(ids, batch))
+            want = model.compute_logits(model(ids, simple_batch(config, q, ref, c)))
+            assert torch.equal(got, want)
+        assert len(batch.decode_runs(torch.device("cpu"))) > 1

@@ -135,8 +135,8 @@ class ModelConfig:
 
     @property
     def kda_conv_state_shape(self) -> tuple[int, int]:
-        """Per request per KDA layer: the last W-1 pre-conv q|k|v inputs (model dtype)."""
-        return (3 * self.kda_proj_size, self.kda_conv_kernel - 1)
+        """Per request per KDA layer: the last W-1 pre-conv q|k|v inputs, channels last (model dtype)."""
+        return (self.kda_conv_kernel - 1, 3 * self.kda_proj_size)
 
     @property
     def kda_recurrent_state_shape(self) -> tuple[int, int, int]:

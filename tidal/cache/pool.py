@@ -4,7 +4,7 @@ The pool is one preallocated byte buffer cut into ``num_blocks`` equal blocks (t
 ``PoolLayout``, so start-up capacity equals the planner's by construction). A block is
 
 - FREE,
-- a STATE block: one request's KDA state, conv [3P, W-1] (model dtype) and recurrent [H, K, K]
+- a STATE block: one request's KDA state, conv [W-1, 3P] (model dtype) and recurrent [H, K, K]
   (float32) for every KDA layer, at fixed byte offsets inside the block, or
 - a KV block: ``pages_per_block`` pages; a page holds ``page_size`` tokens x every MLA layer x
   (kv_lora_rank + rope) values in the model dtype.
@@ -29,6 +29,7 @@ element size because the layout's block and page sizes are.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Hashable, Protocol
 
@@ -136,7 +137,10 @@ class MemoryPool:
         self._state_bytes = state_bytes
 
         self._kind = [FREE] * self.num_blocks
-        self._free_blocks = list(range(self.num_blocks - 1, -1, -1))  # pop() gives block 0 first
+        # Free blocks, ascending. Requests' states take the lowest, KV blocks and the prefix cache's
+        # snapshots the highest: the running requests' states then sit side by side at the bottom,
+        # and a decode step works on them in place through a few strided views (state_runs).
+        self._free_blocks = list(range(self.num_blocks))
         self._slot_free: dict[int, list[int]] = {}  # KV block -> its free page slots
         self._by_used: list[set[int]] = [set() for _ in range(ppb + 1)]  # KV blocks by pages used
         self._states: dict[Hashable, int] = {}
@@ -234,7 +238,7 @@ class MemoryPool:
             return False
         if not self._free_blocks:
             self._compact()
-        block = self._free_blocks.pop()
+        block = self._free_blocks.pop() if isinstance(owner, CacheOwner) else self._free_blocks.pop(0)
         self._kind[block] = STATE
         if zero:
             self.buffer[block, : self._state_bytes].zero_()
@@ -302,17 +306,26 @@ class MemoryPool:
         self.buffer[b, : self._state_bytes] = self.buffer[a, : self._state_bytes]
 
     def move_state(self, src: Hashable, dst: Hashable) -> None:
-        """Hand ``src``'s state block to ``dst`` (no copy)."""
+        """Hand ``src``'s state block to ``dst``. A request's state handed to the prefix cache is
+        copied up to the highest free block when there is one, keeping the bottom of the pool to
+        the running requests' states (see ``_free_blocks``)."""
         if dst in self._states:
             raise ValueError(f"owner {dst!r} already has a state block")
-        self._states[dst] = self._states.pop(src)
+        block = self._states.pop(src)
+        if isinstance(dst, CacheOwner) and self._free_blocks and self._free_blocks[-1] > block:
+            high = self._free_blocks.pop()
+            self.buffer[high, : self._state_bytes] = self.buffer[block, : self._state_bytes]
+            self._kind[high], self._kind[block] = STATE, FREE
+            bisect.insort(self._free_blocks, block)
+            block = high
+        self._states[dst] = block
 
     def free_state(self, owner: Hashable) -> None:
         """Release ``owner``'s state block only (its pages stay)."""
         block = self._states.pop(owner, None)
         if block is not None:
             self._kind[block] = FREE
-            self._free_blocks.append(block)
+            bisect.insort(self._free_blocks, block)
 
     def free(self, owner: Hashable) -> None:
         """Release ``owner``'s state block and its references to pages (unknown owners are a no-op)."""
@@ -362,7 +375,7 @@ class MemoryPool:
         if used == 1:
             del self._slot_free[block]
             self._kind[block] = FREE
-            self._free_blocks.append(block)
+            bisect.insort(self._free_blocks, block)
         else:
             self._by_used[used - 1].add(block)
 
@@ -388,11 +401,16 @@ class MemoryPool:
         self._used_pages -= len(moves)
         del self._slot_free[source]
         self._kind[source] = FREE
-        self._free_blocks.append(source)
+        bisect.insort(self._free_blocks, source)
         self.num_compactions += 1
         self.pages_moved += len(moves)
 
     # ---- byte access (used by PoolCacheView) ---------------------------------------------------
+    def state_storage(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one KDA layer's states in every block: conv [num_blocks, W-1, 3P] (model dtype),
+        recurrent [num_blocks, H, K, V] (float32); rows of non-state blocks are meaningless."""
+        return self._conv_views[kda_layer], self._rec_views[kda_layer]
+
     def read_states(self, kda_layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._conv_views[kda_layer][blocks], self._rec_views[kda_layer][blocks]
 
@@ -408,6 +426,12 @@ class MemoryPool:
     def read_latents(self, mla_layer: int, blocks: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
         return self._pages[blocks, slots, mla_layer].view(-1, self.config.mla_cache_width)[:length]
 
+    def read_latent_pages(self, mla_layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """Whole pages [*pages.shape, page_size, C] of one MLA layer, ``pages`` holding global page
+        ids: one index_select over the layer's strided view (4x faster than advanced indexing)."""
+        layer = self._pages.flatten(0, 1)[:, mla_layer]  # [num_blocks * pages_per_block, ps, C]
+        return layer.index_select(0, pages.flatten()).view(*pages.shape, *layer.shape[1:])
+
 
 class PoolCacheView:
     """The :class:`~tidal.model.context.SequenceCache` of one step over the pool: the states and
@@ -419,9 +443,10 @@ class PoolCacheView:
     ) -> None:
         self.pool = pool
         dev, ps, ppb = pool.device, pool.page_size, pool.pages_per_block
-        self._blocks = torch.tensor([pool.state_block(o) for o in owners], dtype=torch.long, device=dev)
+        self.state_slots = [pool.state_block(o) for o in owners]
         wb, ws, wp = [], [], []
-        self._reads: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._tables: list[list[int]] = []
+        self._lengths: list[int] = []
         for owner, q, c in zip(owners, query_lens, cached_lens):
             table = pool.page_table(owner)
             total = c + q
@@ -432,23 +457,38 @@ class PoolCacheView:
                 wb.append(page // ppb)
                 ws.append(page % ppb)
                 wp.append(t % ps)
-            pages = table[: pool.pages_for(total)]
-            self._reads.append((
-                torch.tensor([p // ppb for p in pages], dtype=torch.long, device=dev),
-                torch.tensor([p % ppb for p in pages], dtype=torch.long, device=dev),
-                total,
-            ))
+            self._tables.append(table[: pool.pages_for(total)])
+            self._lengths.append(total)
         self._write = tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in (wb, ws, wp))
+        self._reads: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def kda_state(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pool.read_states(kda_layer, self._blocks)
-
-    def set_kda_state(self, kda_layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        self.pool.write_states(kda_layer, self._blocks, conv, recurrent)
+    def kda_storage(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool.state_storage(kda_layer)
 
     def mla_write(self, mla_layer: int, latents: torch.Tensor) -> None:
         self.pool.write_latents(mla_layer, *self._write, latents)
 
     def mla_read(self, mla_layer: int, seq: int) -> torch.Tensor:
-        blocks, slots, length = self._reads[seq]
-        return self.pool.read_latents(mla_layer, blocks, slots, length)
+        pages, _ = self._page_index((seq,))
+        return self.pool.read_latent_pages(mla_layer, pages[0]).flatten(0, 1)[: self._lengths[seq]]
+
+    def mla_read_padded(self, mla_layer: int, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One gather of whole pages for all ``seqs``; rows past each length are zeroed."""
+        pages, lengths = self._page_index(tuple(seqs))
+        rows = self.pool.read_latent_pages(mla_layer, pages).flatten(1, 2)  # [n, pages * ps, C]
+        rows = rows[:, : int(lengths.max())]
+        past = torch.arange(rows.shape[1], device=rows.device)[None, :] >= lengths[:, None]
+        return rows.masked_fill_(past.unsqueeze(-1), 0), lengths
+
+    def _page_index(self, seqs: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page ids [n, max pages] of the sequences (short tables padded with their own first
+        page) and lengths [n]; built once per step for each set of sequences."""
+        if seqs not in self._reads:
+            dev = self.pool.device
+            width = max(len(self._tables[b]) for b in seqs)
+            pages = [self._tables[b] + self._tables[b][:1] * (width - len(self._tables[b])) for b in seqs]
+            self._reads[seqs] = (
+                torch.tensor(pages, dtype=torch.long, device=dev),
+                torch.tensor([self._lengths[b] for b in seqs], dtype=torch.long, device=dev),
+            )
+        return self._reads[seqs]

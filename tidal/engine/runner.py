@@ -27,30 +27,40 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = next(model.parameters()).device
+        model.process_weights_after_loading()
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
+        """Run the step's tokens; the returned rows refer to positions in ``batch``.
+
+        The model sees the sequences decode-first and ordered by state block, so the decoding
+        requests' KDA states (which the pool keeps side by side) are updated in place through a few
+        strided views (see ``ForwardBatch.decode_runs``); the order changes nothing else."""
+        order = sorted(range(len(batch.requests)),
+                       key=lambda b: (batch.query_lens[b] > 1, self.pool.state_block(batch.requests[b].request_id)))
+        reqs = [batch.requests[b] for b in order]
+        query_lens = [batch.query_lens[b] for b in order]
+        cached_lens = [batch.cached_lens[b] for b in order]
         ids: list[int] = []
-        for req, n, c in zip(batch.requests, batch.query_lens, batch.cached_lens):
+        for req, n, c in zip(reqs, query_lens, cached_lens):
             ids.extend(req.token_ids[c : c + n])
-        owners = [r.request_id for r in batch.requests]
-        cache = PoolCacheView(self.pool, owners, batch.query_lens, batch.cached_lens)
-        fb = ForwardBatch(query_lens=list(batch.query_lens), cached_lens=list(batch.cached_lens), cache=cache)
+        cache = PoolCacheView(self.pool, [r.request_id for r in reqs], query_lens, cached_lens)
+        fb = ForwardBatch(query_lens=query_lens, cached_lens=cached_lens, cache=cache)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), fb)
 
         out = StepLogits()
         rows: list[int] = []
-        prompt_rows: list[tuple[int, list[int], int]] = []  # (seq, positions, start in rows)
-        for b, (req, n, c) in enumerate(zip(batch.requests, batch.query_lens, batch.cached_lens)):
+        prompt_rows: list[tuple[int, list[int], int]] = []  # (seq in batch, positions, start in rows)
+        for i, (req, n, c) in enumerate(zip(reqs, query_lens, cached_lens)):
             positions = req.prompt_logprob_positions(c, n)
             if positions:
-                prompt_rows.append((b, positions, len(rows)))
-                rows.extend(fb.cu_seqlens[b] + t - c for t in positions)
+                prompt_rows.append((order[i], positions, len(rows)))
+                rows.extend(fb.cu_seqlens[i] + t - c for t in positions)
         first_sample = len(rows)
-        for b, (req, n, c) in enumerate(zip(batch.requests, batch.query_lens, batch.cached_lens)):
+        for i, (req, n, c) in enumerate(zip(reqs, query_lens, cached_lens)):
             if c + n == req.num_tokens:
-                out.sample_seqs.append(b)
-                rows.append(fb.cu_seqlens[b + 1] - 1)
+                out.sample_seqs.append(order[i])
+                rows.append(fb.cu_seqlens[i + 1] - 1)
         if not rows:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

@@ -15,17 +15,19 @@ from typing import Protocol
 import torch
 
 from tidal.config import ModelConfig
+from tidal.ops.mla import pad_latents
 
 
 class SequenceCache(Protocol):
-    """Cache storage for the B sequences of one step, indexed by batch position."""
+    """Cache storage for the B sequences of one step, indexed by batch position.
 
-    def kda_state(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv [B, 3P, W-1] model dtype, recurrent [B, H, K, V] float32) before this step."""
-        ...
+    KDA states live in slots of per-layer storage tensors; the model reads and updates the slots
+    of its sequences (``state_slots``) in place, through views where the slots are consecutive."""
 
-    def set_kda_state(self, kda_layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        """Store the states after this step (same shapes as :meth:`kda_state`)."""
+    state_slots: list[int]  # storage slot of each batch position's KDA state
+
+    def kda_storage(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [N, W-1, 3P] model dtype, recurrent [N, H, K, V] float32) of every slot."""
         ...
 
     def mla_write(self, mla_layer: int, latents: torch.Tensor) -> None:
@@ -35,6 +37,29 @@ class SequenceCache(Protocol):
     def mla_read(self, mla_layer: int, seq: int) -> torch.Tensor:
         """All latents of sequence ``seq`` including this step's: [cached_len + query_len, C]."""
         ...
+
+    def mla_read_padded(self, mla_layer: int, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The latents of ``seqs`` zero-padded to the longest, [n, L, C], and their lengths [n]."""
+        ...
+
+
+@dataclass(frozen=True)
+class StateRun:
+    """Sequences whose KDA state slots are consecutive, ``start .. start + count - 1`` in batch
+    order: one strided view of the storage holds all their states. ``tokens`` indexes their
+    (single) tokens in the flat run: a slice when those are consecutive too."""
+
+    seqs: list[int]
+    start: int
+    tokens: slice | torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def slots(self) -> slice:
+        return slice(self.start, self.start + len(self.seqs))
 
 
 @dataclass
@@ -47,7 +72,7 @@ class ForwardBatch:
     cached_lens: list[int]
     cache: SequenceCache
     _cu: list[int] = field(default_factory=list, repr=False)
-    _rows: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _rows: dict[str, object] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.query_lens) != len(self.cached_lens):
@@ -71,6 +96,32 @@ class ForwardBatch:
                 torch.tensor([self._cu[b] for b in self.decode_seqs], dtype=torch.long, device=device),
             )
         return self._rows[key]
+
+    def decode_runs(self, device: torch.device) -> list[StateRun]:
+        """The single-token sequences grouped into runs of consecutive state slots (built once per
+        step): the engine orders a batch by slot, so a decode step is usually one or a few runs."""
+        key = "runs " + str(device)
+        if key not in self._rows:
+            slots = self.cache.state_slots
+            runs: list[StateRun] = []
+            group: list[int] = []
+            for b in sorted(self.decode_seqs, key=lambda b: slots[b]):
+                if group and slots[b] != slots[group[-1]] + 1:
+                    runs.append(self._run(group, device))
+                    group = []
+                group.append(b)
+            if group:
+                runs.append(self._run(group, device))
+            self._rows[key] = runs  # type: ignore[assignment]
+        return self._rows[key]  # type: ignore[return-value]
+
+    def _run(self, seqs: list[int], device: torch.device) -> StateRun:
+        tokens = [self._cu[b] for b in seqs]
+        if tokens == list(range(tokens[0], tokens[0] + len(tokens))):
+            index: slice | torch.Tensor = slice(tokens[0], tokens[0] + len(tokens))
+        else:
+            index = torch.tensor(tokens, dtype=torch.long, device=device)
+        return StateRun(seqs=list(seqs), start=self.cache.state_slots[seqs[0]], tokens=index)
 
     @property
     def num_seqs(self) -> int:
@@ -125,6 +176,7 @@ class SimpleCache:
         empty = torch.zeros(0, config.mla_cache_width, dtype=dtype, device=device)
         self.mla = [[empty] * num_seqs for _ in range(config.num_mla_layers)]
         self._query_lens: list[int] = []
+        self.state_slots = list(range(num_seqs))
 
     def bind(self, batch: ForwardBatch) -> None:
         """Tell the cache the layout of the step about to run (needed to split mla_write)."""
@@ -135,7 +187,11 @@ class SimpleCache:
     def seq_len(self, seq: int) -> int:
         return self.mla[0][seq].shape[0] if self.mla else -1
 
+    def kda_storage(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kda_conv[kda_layer], self.kda_recurrent[kda_layer]
+
     def kda_state(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv, recurrent) of every sequence, for inspection (the tensors the model updates)."""
         return self.kda_conv[kda_layer], self.kda_recurrent[kda_layer]
 
     def set_kda_state(self, kda_layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
@@ -150,6 +206,9 @@ class SimpleCache:
 
     def mla_read(self, mla_layer: int, seq: int) -> torch.Tensor:
         return self.mla[mla_layer][seq]
+
+    def mla_read_padded(self, mla_layer: int, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return pad_latents([self.mla[mla_layer][b] for b in seqs])
 
 
 def simple_batch(

@@ -7,8 +7,9 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
-from tidal.model.layers import compute_dtype, linear, rms_norm
+from tidal.model.layers import compute_dtype, fuse_linears, linear, rms_norm
 from tidal.ops.kda import (
+    CHUNK,
     kda_chunked,
     kda_decode_step_,
     kda_gate,
@@ -17,8 +18,8 @@ from tidal.ops.kda import (
 )
 from tidal.ops.short_conv import causal_conv, causal_conv_step
 
-# Prefill pieces up to this many tokens run the token-by-token kernel (fewer ops than one chunk).
-RECURRENT_MAX_LEN = 16
+# Prefill pieces up to this many tokens run the token-by-token kernel (cheaper than one chunk).
+RECURRENT_MAX_LEN = 12
 
 
 class KimiDeltaAttention(nn.Module):
@@ -57,64 +58,102 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm.weight = nn.Parameter(torch.ones(K, dtype=torch.float32))
         self.o_proj = linear(P, d)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; reads and writes this layer's state in ``batch.cache``.
+    def fuse_weights(self) -> None:
+        """Make the projections of x (q, k, v, f_a, the output gate's first matrix, b) row views of
+        one tensor, so a step runs one matmul for all of them; parameters and state_dict keep their
+        names and values."""
+        gate = self.g_proj if self.config.kda_full_rank_gate else self.g_a_proj
+        self.fused_in_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj])
 
-        The cache's state tensors are updated in place (rows of this step's sequences) and then
-        handed back through ``set_kda_state``."""
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(pre-conv q|k|v [T, 3P], f_a(x) [T, K], output-gate input [T, K or P], b(x) [T, H])."""
+        fused = getattr(self, "fused_in_proj", None)
+        if fused is not None:
+            P = self.num_heads * self.head_dim
+            gate = P if self.config.kda_full_rank_gate else self.head_dim
+            return torch.nn.functional.linear(x, fused).split([3 * P, self.head_dim, gate, self.num_heads], dim=-1)
+        gate = self.g_proj(x) if self.config.kda_full_rank_gate else self.g_a_proj(x)
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return qkv, self.f_a_proj(x), gate, self.b_proj(x)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; updates this layer's states of the step's sequences in
+        place in ``batch.cache``."""
         T = x.shape[0]
         H, K = self.num_heads, self.head_dim
-        conv_state, rec_state = batch.cache.kda_state(self.kda_index)
+        conv_state, rec_state = batch.cache.kda_storage(self.kda_index)
         sdt = rec_state.dtype
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # pre-conv [T, 3P]
+        qkv, f_a, gate, b = self._project(x)
         qkv = self._short_conv(qkv, conv_state, batch)
         q, k, v = qkv.to(sdt).view(T, 3, H, K).unbind(1)
         q = l2_normalize(q) * K**-0.5
         k = l2_normalize(k)
-        beta = torch.sigmoid(self.b_proj(x).to(compute_dtype(x.dtype)))
-        z = self.f_b_proj(self.f_a_proj(x)).view(T, H, K)
+        beta = torch.sigmoid(b.to(compute_dtype(x.dtype)))
+        z = self.f_b_proj(f_a).view(T, H, K)
         g = kda_gate(z, self.A_log, self.dt_bias, self.config.kda_gate_lower_bound)
         o = self._delta_rule((q, k, v, g, beta), rec_state, batch)  # [T, H, V] in state dtype
-        batch.cache.set_kda_state(self.kda_index, conv_state, rec_state)
-        gate = self.g_proj(x) if self.config.kda_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+        if not self.config.kda_full_rank_gate:
+            gate = self.g_b_proj(gate)
         o = rms_norm(o, self.o_norm.weight, self.config.rms_norm_eps) * torch.sigmoid(gate.view(T, H, K).to(o.dtype))
         return self.o_proj(o.flatten(1).to(x.dtype))
 
     def _short_conv(
         self, qkv: torch.Tensor, state: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        """Depthwise causal conv + SiLU over q|k|v [T, 3P]; advances ``state`` [B, 3P, W-1] in place."""
+        """Depthwise causal conv + SiLU over q|k|v [T, 3P]; advances the sequences' rows of the
+        conv storage ``state`` [N, W-1, 3P] in place."""
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
-        out = torch.empty_like(qkv)
-        seqs, toks = batch.decode_rows(qkv.device)
-        if len(batch.decode_seqs) == batch.num_seqs:  # every sequence decodes: whole states, no gather
-            out, new = causal_conv_step(qkv, weight, state)
-            state.copy_(new)
-        elif len(seqs):
-            out[toks], state[seqs] = causal_conv_step(qkv[toks], weight, state[seqs])
+        out = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+        for run in batch.decode_runs(qkv.device):
+            rows = state[run.slots]
+            out[run.tokens], new = causal_conv_step(qkv[run.tokens], weight, rows)
+            rows.copy_(new)
         for b in batch.prefill_seqs:
-            sl = batch.token_slice(b)
-            out[sl], state[b] = causal_conv(qkv[sl], weight, state[b])
+            sl, row = batch.token_slice(b), state[batch.cache.state_slots[b]]
+            out[sl], new = causal_conv(qkv[sl], weight, row)
+            row.copy_(new)
         return out
 
     def _delta_rule(
         self, inputs: tuple[torch.Tensor, ...], state: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        """KDA recurrence over (q, k, v, g, beta), each [T, H, *]: one batched step for all
-        single-token sequences, a recurrent or chunked pass for each longer one.
-        Returns o [T, H, V] and advances ``state`` [B, H, K, V] in place."""
+        """KDA recurrence over (q, k, v, g, beta), each [T, H, *]: single-token sequences step in
+        place on views of the state storage ``state`` [N, H, K, V], run by run; longer ones go
+        through the recurrent kernel alone or the chunked kernel batched with others of the same
+        number of chunks. Returns o [T, H, V]."""
         T = inputs[0].shape[0]
         o = torch.empty(T, self.num_heads, state.shape[-1], dtype=state.dtype, device=state.device)
-        seqs, toks = batch.decode_rows(state.device)
-        if len(batch.decode_seqs) == batch.num_seqs:  # every sequence decodes: whole states, no gather
-            return kda_decode_step_(*inputs, state).to(state.dtype)
-        if len(seqs):
-            rows = state[seqs]
-            o[toks] = kda_decode_step_(*(t[toks] for t in inputs), rows).to(state.dtype)
-            state[seqs] = rows
+        for run in batch.decode_runs(state.device):
+            o[run.tokens] = kda_decode_step_(*(t[run.tokens] for t in inputs), state[run.slots]).to(state.dtype)
+        slots = batch.cache.state_slots
+        groups: dict[int, list[int]] = {}
         for b in batch.prefill_seqs:
-            sl = batch.token_slice(b)
-            kernel = kda_recurrent if batch.query_lens[b] <= RECURRENT_MAX_LEN else kda_chunked
-            o_b, s_b = kernel(*(t[sl].unsqueeze(0) for t in inputs), state[b : b + 1])
-            o[sl], state[b] = o_b[0], s_b[0]
+            n = batch.query_lens[b]
+            if n <= RECURRENT_MAX_LEN:
+                sl, s = batch.token_slice(b), slots[b]
+                o_b, s_b = kda_recurrent(*(t[sl].unsqueeze(0) for t in inputs), state[s : s + 1])
+                o[sl], state[s] = o_b[0], s_b[0]
+            else:
+                groups.setdefault(-(-n // CHUNK), []).append(b)
+        for seqs in groups.values():
+            self._chunked_group(inputs, state, batch, seqs, o)
         return o
+
+    def _chunked_group(
+        self, inputs: tuple[torch.Tensor, ...], state: torch.Tensor, batch: ForwardBatch, seqs: list[int],
+        o: torch.Tensor,
+    ) -> None:
+        """One chunked-kernel call for sequences with the same number of chunks: each is zero-padded
+        at its end to the longest (padding tokens neither decay nor write the state)."""
+        slices = [batch.token_slice(b) for b in seqs]
+        longest = max(sl.stop - sl.start for sl in slices)
+        padded = []
+        for t in inputs:
+            parts = [torch.nn.functional.pad(t[sl], (0, 0) * (t.dim() - 1) + (0, longest - (sl.stop - sl.start)))
+                     for sl in slices]
+            padded.append(torch.stack(parts))
+        index = torch.tensor([batch.cache.state_slots[b] for b in seqs], dtype=torch.long, device=state.device)
+        out, new = kda_chunked(*padded, state[index])
+        state[index] = new
+        for i, sl in enumerate(slices):
+            o[sl] = out[i, : sl.stop - sl.start]

@@ -9,7 +9,7 @@ from tidal.config import ModelConfig
 from tidal.model.attn_res import apply_attn_res, attn_res_params
 from tidal.model.context import ForwardBatch
 from tidal.model.kda import KimiDeltaAttention
-from tidal.model.layers import RMSNorm, compute_dtype, linear
+from tidal.model.layers import RMSNorm, compute_dtype, inference_layout, linear
 from tidal.model.mla import KimiMLA
 from tidal.model.moe import KimiMLP, KimiMoE
 
@@ -105,6 +105,18 @@ class KimiForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 (float64 for a float64 model)."""
         return self.lm_head(hidden).to(compute_dtype(hidden.dtype))
+
+    def process_weights_after_loading(self) -> "KimiForCausalLM":
+        """Ready loaded weights for serving (the engine calls it; values and state_dict names do not
+        change): fuse the projections that read the same input, in every module that can, and store
+        the remaining dense weights in ``inference_layout``. Call after any ``to_dtype``."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse_weights"):
+                module.fuse_weights()
+        for module in self.modules():
+            if isinstance(module, nn.Linear) and module.weight is not self.model.embed_tokens.weight:
+                module.weight.data = inference_layout(module.weight)
+        return self
 
     @property
     def dtype(self) -> torch.dtype:

@@ -7,8 +7,8 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
-from tidal.model.layers import RMSNorm, compute_dtype, linear
-from tidal.ops.mla import mla_absorbed_attention, mla_naive_attention, pad_latents
+from tidal.model.layers import RMSNorm, compute_dtype, fuse_linears, linear
+from tidal.ops.mla import mla_absorbed_attention, mla_naive_attention
 
 
 class KimiMLA(nn.Module):
@@ -37,20 +37,41 @@ class KimiMLA(nn.Module):
         self.o_proj = linear(n * config.v_head_dim, d)
         self.scale = config.qk_head_dim ** -0.5
 
+    def fuse_weights(self) -> None:
+        """Make the projections of x (q or q_a, kv_a, the output gate) row views of one tensor: one
+        matmul per step for all of them; parameters and state_dict keep their names and values."""
+        first = self.q_proj if self.config.q_lora_rank is None else self.q_a_proj
+        parts = [first, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.config.mla_use_output_gate else [])
+        self._fused_split = [m.weight.shape[0] for m in parts]
+        self.fused_in_proj = fuse_linears(parts)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q [T, n * (d_nope + d_rope)], kv_a(x) [T, r + d_rope], output-gate logits or None)."""
+        fused = getattr(self, "fused_in_proj", None)
+        if fused is not None:
+            first, kv, *gate = torch.nn.functional.linear(x, fused).split(self._fused_split, dim=-1)
+        else:
+            first = self.q_proj(x) if self.config.q_lora_rank is None else self.q_a_proj(x)
+            kv = self.kv_a_proj_with_mqa(x)
+            gate = [self.g_proj(x)] if self.config.mla_use_output_gate else []
+        q = first if self.config.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(first))
+        return q, kv, (gate[0] if gate else None)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; appends this step's latents to ``batch.cache``.
 
         Decode sequences (one new token) share one weight-absorbed call; longer queries use the
         expanded kernel, which amortises expanding k/v over their many queries."""
         T, n = x.shape[0], self.num_heads
-        q = self._query(x).view(T, n, self.qk_nope + self.qk_rope)
-        q_nope, q_pe = q.split([self.qk_nope, self.qk_rope], dim=-1)
-        batch.cache.mla_write(self.mla_index, self._latents(x))
+        q, kv, gate = self._project(x)
+        q_nope, q_pe = q.reshape(T, n, self.qk_nope + self.qk_rope).split([self.qk_nope, self.qk_rope], dim=-1)
+        c, k_pe = kv.split([self.kv_lora_rank, self.qk_rope], dim=-1)
+        batch.cache.mla_write(self.mla_index, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
         w = self.kv_b_proj.weight
         out = x.new_empty(T, n, self.v_dim)
         if batch.decode_seqs:
             rows = batch.decode_rows(x.device)[1]
-            latents, lengths = pad_latents([batch.cache.mla_read(self.mla_index, b) for b in batch.decode_seqs])
+            latents, lengths = batch.cache.mla_read_padded(self.mla_index, batch.decode_seqs)
             o = mla_absorbed_attention(q_nope[rows, None], q_pe[rows, None], latents, lengths, w, self.scale)
             out[rows] = o[:, 0]
         for b in batch.prefill_seqs:
@@ -58,18 +79,7 @@ class KimiMLA(nn.Module):
             latents = batch.cache.mla_read(self.mla_index, b)
             out[sl] = mla_naive_attention(q_nope[sl], q_pe[sl], latents, w, self.scale)
         out = out.reshape(T, n * self.v_dim)
-        if self.config.mla_use_output_gate:
+        if gate is not None:
             cdt = compute_dtype(x.dtype)
-            out = (out.to(cdt) * torch.sigmoid(self.g_proj(x).to(cdt))).to(x.dtype)
+            out = (out.to(cdt) * torch.sigmoid(gate.to(cdt))).to(x.dtype)
         return self.o_proj(out)
-
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, n * (d_nope + d_rope)]: q_proj (Kimi Linear) or the q-LoRA path (K3)."""
-        if self.config.q_lora_rank is None:
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-
-    def _latents(self, x: torch.Tensor) -> torch.Tensor:
-        """The cache rows [T, r + d_rope]: normalised latent c, then k_pe (unrotated: NoPE)."""
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)

@@ -1,19 +1,109 @@
-"""Dense MLP, sigmoid-routed MoE with shared experts, and K3's latent MoE (spec §3)."""
+"""Dense MLP, sigmoid-routed MoE with shared experts, and K3's latent MoE (spec §3).
+
+Speed on the CPU (benchmarks/bench_moe.py): decode multiplies each expert's weights by a few rows,
+where the weights come from memory and the layout of the product decides the speed; :func:`project`
+picks it. ``fuse_weights()`` (called before serving) makes gate+up one matmul.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from tidal.config import ModelConfig
 from tidal.model.layers import RMSNorm, compute_dtype, linear
-from tidal.ops.activation import situ, swiglu
+from tidal.ops.activation import can_overwrite, situ, swiglu
+
+# x @ w.t() with MKL in float32/float64 runs ~2x faster as (w @ x.t()).t() for a few rows whose
+# block is small (1 row is computed as 2, which is also ~2x faster than the matrix-vector product).
+# Measured on 192..3584-wide weights: faster up to 10 rows and 12 KiB of rows, slower beyond.
+FEATURE_MAJOR_MAX_ROWS = 10
+FEATURE_MAJOR_MAX_BYTES = 12 * 1024
 
 
 def activate(config: ModelConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if config.hidden_act == "situ":
         return situ(gate, up, config.situ_beta, config.situ_linear_beta)
     return swiglu(gate, up)
+
+
+def feature_major(rows: int, w: torch.Tensor) -> bool:
+    """Whether ``rows`` rows times w.t() are cheaper computed with the output feature-major. Only for
+    a row-major w: stored input-major (``inference_layout``) that product is ~10x slower, while the
+    plain one is already fast."""
+    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.float64) or not w.is_contiguous():
+        return False  # bfloat16 goes through oneDNN, where the token-major product is as fast or faster
+    padded = max(rows, 2)
+    return padded <= FEATURE_MAJOR_MAX_ROWS and padded * w.shape[-1] * w.element_size() <= FEATURE_MAJOR_MAX_BYTES
+
+
+def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)`` (x [n, K], w [N, K] -> [n, N]), for a few rows computed as (w @ x.t()).t().
+    The result may then be a transposed view; rows are independent either way."""
+    if x.dim() != 2 or x.shape[0] == 0 or not feature_major(x.shape[0], w):
+        return F.linear(x, w)
+    x = x.contiguous()  # x.t() must be a transposed contiguous matrix, else MKL takes a slow path
+    if x.shape[0] == 1:
+        return (w @ torch.cat([x, x]).t())[:, :1].t()
+    return (w @ x.t()).t()
+
+
+def project_each(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+    """Row j of x [k, K] (or x's one row, for every j) times ws[j].t() -> [len(ws), N]: the single-row
+    products of :func:`project`, bit for bit, with fewer operations per weight."""
+    if not feature_major(1, ws[0]):
+        rows = [x] * len(ws) if x.shape[0] == 1 else x.split(1)
+        return torch.cat([F.linear(r, w) for r, w in zip(rows, ws)])
+    pairs = x.unsqueeze(1).expand(x.shape[0], 2, x.shape[1]).contiguous().transpose(1, 2)  # [k, K, 2]
+    cols = [pairs[0]] * len(ws) if x.shape[0] == 1 else pairs.unbind(0)
+    # contiguous: element-wise ops then vectorise as they do on project's rows (same rounding)
+    return torch.stack([w @ c for c, w in zip(cols, ws)])[:, :, 0].contiguous()
+
+
+def input_major(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] with the same values, stored input-major on the CPU: the rule of
+    ``layers.inference_layout``, which ``process_weights_after_loading`` applies to every nn.Linear.
+    Stored so, the fused gate/up views are not contiguous and that pass leaves them alone."""
+    return w if w.device.type != "cpu" else w.t().contiguous().t()
+
+
+def _fuse_halves(
+    a_owner: nn.Module, a_name: str, b_owner: nn.Module, b_name: str,
+    layout: Callable[[torch.Tensor], torch.Tensor] = lambda w: w,
+) -> torch.Tensor:
+    """Concatenate two equal-shape parameters along dim -2 (stored in ``layout``) and rebind both as
+    views of the result."""
+    a, b = getattr(a_owner, a_name), getattr(b_owner, b_name)
+    if a.shape != b.shape:
+        raise ValueError(f"cannot fuse {a_name} {tuple(a.shape)} with {b_name} {tuple(b.shape)}")
+    with torch.no_grad():
+        both = layout(torch.cat([a, b], dim=-2))
+    n = a.shape[-2]
+    setattr(a_owner, a_name, nn.Parameter(both[..., :n, :], requires_grad=a.requires_grad))
+    setattr(b_owner, b_name, nn.Parameter(both[..., n:, :], requires_grad=b.requires_grad))
+    return both
+
+
+def _is_half_of(p: torch.Tensor | None, both: torch.Tensor, half: int) -> bool:
+    """Whether p is still the view ``_fuse_halves`` made (a later cast, move or relayout replaces it)."""
+    offset = half * (both.shape[-2] // 2) * both.stride(-2)
+    return (
+        p is not None and p.dtype == both.dtype and p.device == both.device and p.stride() == both.stride()
+        and p.data_ptr() == both.data_ptr() + offset * both.element_size()
+    )
+
+
+def _intact(both: torch.Tensor, first: torch.Tensor | None, second: torch.Tensor | None) -> bool:
+    return _is_half_of(first, both, 0) and _is_half_of(second, both, 1)
+
+
+def _needs_grad(first: torch.Tensor | None, second: torch.Tensor | None) -> bool:
+    """Whether autograd must reach the parameters (the fused tensor is not in the graph)."""
+    return torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in (first, second))
 
 
 class KimiMLP(nn.Module):
@@ -25,9 +115,33 @@ class KimiMLP(nn.Module):
         self.gate_proj = linear(hidden, intermediate)
         self.up_proj = linear(hidden, intermediate)
         self.down_proj = linear(intermediate, hidden)
+        self.gate_up: torch.Tensor | None = None  # set by fuse_weights; not a parameter or buffer
+
+    def fuse_weights(self) -> None:
+        """Keep gate_proj and up_proj weights as the two row halves of one [2I, d] tensor (stored
+        :func:`input_major`), so forward runs them as one matmul. State-dict names, shapes and
+        values do not change. A later cast, move or relayout of the parameters undoes it (forward
+        then runs unfused and drops the stale tensor)."""
+        self._fused()  # drops a stale fused tensor
+        if self.gate_up is None:
+            self.gate_up = _fuse_halves(self.gate_proj, "weight", self.up_proj, "weight", input_major)
+
+    def _fused(self) -> torch.Tensor | None:
+        """The fused weight when forward may use it."""
+        first, second = self.gate_proj._parameters.get("weight"), self.up_proj._parameters.get("weight")
+        if self.gate_up is not None and not _intact(self.gate_up, first, second):
+            self.gate_up = None
+        return None if _needs_grad(first, second) else self.gate_up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(activate(self.config, self.gate_proj(x), self.up_proj(x)))
+        gate_up = self._fused()
+        if gate_up is not None:
+            gu = project(x, gate_up)
+            inter = gate_up.shape[0] // 2
+            gate, up = gu[..., :inter], gu[..., inter:]
+        else:
+            gate, up = project(x, self.gate_proj.weight), project(x, self.up_proj.weight)
+        return project(activate(self.config, gate, up), self.down_proj.weight).contiguous()
 
 
 class Router(nn.Module):
@@ -58,10 +172,36 @@ class Router(nn.Module):
         return ids, weights * c.routed_scaling_factor
 
 
+def group_by_expert(ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    """ids [T, k] -> (slot order sorted by expert, stable; active experts ascending; their slot
+    counts). One host sync, for the two lists."""
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    experts, counts = torch.stack(torch.unique_consecutive(sorted_ids, return_counts=True)).tolist()
+    return order, experts, counts
+
+
+def blocks(counts: list[int], max_rows: int) -> list[tuple[int, int]]:
+    """Consecutive runs [i, j) of the groups with at most max_rows rows in all (a bigger group alone)."""
+    out: list[tuple[int, int]] = []
+    i, rows = 0, 0
+    for j, n in enumerate(counts):
+        if rows and rows + n > max_rows:
+            out.append((i, j))
+            i, rows = j, 0
+        rows += n
+    if counts:
+        out.append((i, len(counts)))
+    return out
+
+
 class Experts(nn.Module):
     """All routed experts of a layer, stacked: w1/w3 [E, I, d_e], w2 [E, d_e, I].
 
     The checkpoint stores them one by one (``experts.{e}.w1.weight``); the loader stacks them."""
+
+    # Rows per block of experts in forward: a decode batch is one block; prefill is cut so that each
+    # block's intermediates stay in cache (measured: unblocked prefill is ~40% slower).
+    BLOCK_ROWS = 512
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -70,27 +210,80 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.zeros(E, inter, d))
         self.w3 = nn.Parameter(torch.zeros(E, inter, d))
         self.w2 = nn.Parameter(torch.zeros(E, d, inter))
+        self.w13: torch.Tensor | None = None  # set by fuse_weights; not a parameter or buffer
+
+    def fuse_weights(self) -> None:
+        """Keep w1 and w3 as the two halves of one [E, 2I, d_e] tensor, so each expert's gate and up
+        projections are one matmul. State-dict names, shapes and values do not change; w1/w3 become
+        strided views. A later cast or move undoes it; parametrised (QAT) experts are left alone."""
+        self._fused()  # drops a stale fused tensor
+        if self.w13 is None and not parametrize.is_parametrized(self):
+            self.w13 = _fuse_halves(self, "w1", self, "w3")
+
+    def _fused(self) -> torch.Tensor | None:
+        """The fused w1|w3 when forward may use it."""
+        first, second = self._parameters.get("w1"), self._parameters.get("w3")
+        if self.w13 is not None and not _intact(self.w13, first, second):
+            self.w13 = None
+        return None if _needs_grad(first, second) else self.w13
+
+    def _gate_up_weights(self) -> list[torch.Tensor]:
+        """[w13] when fused, else [w1, w3] (read once: under a parametrisation each read recomputes)."""
+        w13 = self._fused()
+        return [w13] if w13 is not None else [self.w1, self.w3]
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's chosen experts of weight * expert(h). Tokens are grouped by expert:
-        one matmul per active expert, no per-token loop."""
+        """Sum over each token's chosen experts of weight * expert(h), in float32 or wider.
+
+        Token slots are sorted by expert and cut into blocks of experts with up to BLOCK_ROWS rows.
+        In a block each expert runs its matmuls on its rows and the activation runs once for all.
+        Each token's outputs are added in ascending expert order, so a token's result does not
+        depend on which other tokens are in the batch, beyond the matmul rounding for the number of
+        rows its experts get."""
         T, k = ids.shape
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.config.num_experts).tolist()
+        out = torch.zeros(T, h.shape[-1], dtype=compute_dtype(h.dtype), device=h.device)
+        if T == 1:
+            return self._one_token(h, ids, weights, out)
+        if T == 0:
+            return out
+        order, experts, counts = group_by_expert(ids)
         token_of = order // k
         w_sorted = weights.reshape(-1)[order]
-        out = torch.zeros(T, h.shape[-1], dtype=compute_dtype(h.dtype), device=h.device)
+        gate_up, w2 = self._gate_up_weights(), self.w2
         start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = token_of[start : start + n]
-            x = h[rows]
-            y = activate(self.config, x @ self.w1[e].t(), x @ self.w3[e].t()) @ self.w2[e].t()
-            out.index_add_(0, rows, y.to(out.dtype) * w_sorted[start : start + n, None].to(out.dtype))
-            start += n
+        for i, j in blocks(counts, self.BLOCK_ROWS):
+            end = start + sum(counts[i:j])
+            rows = token_of[start:end]
+            y = self._block(h.index_select(0, rows), experts[i:j], counts[i:j], gate_up, w2)
+            self._add_weighted(out, rows, y, w_sorted[start:end])
+            start = end
         return out
+
+    def _block(
+        self, x: torch.Tensor, experts: list[int], counts: list[int], gate_up: list[torch.Tensor], w2: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts' outputs for x, whose rows are sorted by expert (counts[i] rows of experts[i])."""
+        rows = x.split(counts)
+        parts = [torch.cat([project(r, w[e]) for e, r in zip(experts, rows)]) for w in gate_up]
+        gate, up = parts[0].tensor_split(2, dim=1) if len(parts) == 1 else parts
+        act = activate(self.config, gate, up).split(counts)
+        return torch.cat([project(a, w2[e]) for e, a in zip(experts, act)])
+
+    def _one_token(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """forward for T == 1, without the grouping: the same products, added in the same order."""
+        chosen, slot = ids[0].sort()
+        experts = chosen.tolist()
+        parts = [project_each(h, [w[e] for e in experts]) for w in self._gate_up_weights()]
+        gate, up = parts[0].tensor_split(2, dim=1) if len(parts) == 1 else parts
+        w2 = self.w2
+        y = project_each(activate(self.config, gate, up), [w2[e] for e in experts])
+        return self._add_weighted(out, ids.new_zeros(len(experts)), y, weights[0, slot])
+
+    @staticmethod
+    def _add_weighted(out: torch.Tensor, token_of: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """out[token_of[i]] += w[i] * y[i] in out's dtype, in the order of i."""
+        y, w = y.to(out.dtype), w.to(out.dtype)[:, None]
+        return out.index_add_(0, token_of, y.mul_(w) if can_overwrite(y, w) else y * w)
 
 
 class KimiMoE(nn.Module):
@@ -114,12 +307,12 @@ class KimiMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
-        h = self.routed_expert_down_proj(x) if self.config.is_latent_moe else x
+        h = project(x, self.routed_expert_down_proj.weight) if self.config.is_latent_moe else x
         y = self.experts(h, ids, weights).to(x.dtype)
         if self.config.is_latent_moe:
             if self.config.latent_moe_use_norm:
                 y = self.routed_expert_norm(y)
-            y = self.routed_expert_up_proj(y)
+            y = project(y, self.routed_expert_up_proj.weight).contiguous()
         if self.config.num_shared_experts:
             y = y + self.shared_experts(x)
         return y

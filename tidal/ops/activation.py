@@ -7,9 +7,16 @@ import torch
 from tidal.model.layers import compute_dtype
 
 
+def can_overwrite(*tensors: torch.Tensor) -> bool:
+    """Whether an in-place op on fresh intermediates of these tensors is safe: no autograd graph
+    needs their values. In-place saves an allocation, which costs as much as the op for big tensors."""
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g, u = gate.to(compute_dtype(gate.dtype)), up.to(compute_dtype(up.dtype))
-    return (torch.nn.functional.silu(g) * u).to(gate.dtype)
+    a = torch.nn.functional.silu(g)
+    return (a.mul_(u) if can_overwrite(g, u) else a * u).to(gate.dtype)
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
@@ -17,6 +24,11 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) 
 
     Soft-clips the gate to +-beta and the up branch to +-linear_beta; tends to SwiGLU as both grow."""
     g, u = gate.to(compute_dtype(gate.dtype)), up.to(compute_dtype(up.dtype))
-    a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
-    b = linear_beta * torch.tanh(u / linear_beta)
-    return (a * b).to(gate.dtype)
+    if not can_overwrite(g, u):
+        a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+        b = linear_beta * torch.tanh(u / linear_beta)
+        return (a * b).to(gate.dtype)
+    # The same operations in the same order (so the same rounding), on two fresh buffers.
+    a = (g / beta).tanh_().mul_(beta).mul_(torch.sigmoid(g))
+    b = (u / linear_beta).tanh_().mul_(linear_beta)
+    return a.mul_(b).to(gate.dtype)
