@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tidal.model.layers import compute_dtype
+from tidal.ops.cpu_kernels import kda_decode_for
 
 L2_EPS = 1e-6
 CHUNK = 32  # tokens per chunk of kda_chunked: on CPU as fast as 16, faster than 64
@@ -77,6 +78,7 @@ def kda_decode_step_(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    use_kernel: bool = True,
 ) -> torch.Tensor:
     """One decode token per sequence, updating ``state`` [B, H, K, V] IN PLACE (it may be a
     strided view of the engine's pool): the fast form of :func:`kda_recurrent` at T == 1.
@@ -84,7 +86,11 @@ def kda_decode_step_(
     Decode is bound by passes over the state: both reads of the decayed state come from ONE matmul
     on the old state ((D S)^T x = S^T (D x)), then two in-place passes update it -- three passes
     instead of five, and no copies. q, k, g [B, H, K], v [B, H, V], beta [B, H]; returns o [B, H, V]
-    in v's dtype."""
+    in v's dtype. On the CPU a C kernel (``tidal.ops.cpu_kernels``) does the same in one pass over
+    the state unless ``use_kernel=False``."""
+    kernel = kda_decode_for(state, q, k, v, g, beta) if use_kernel else None
+    if kernel is not None:
+        return kernel(q, k, v, g, beta, state).to(v.dtype)
     dt = state.dtype
     q, k, v, g, beta = (t.to(dt) for t in (q, k, v, g, beta))
     decay = g.exp()

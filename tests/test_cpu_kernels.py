@@ -1,0 +1,105 @@
+"""The C decode kernel (tidal/ops/csrc/kda_decode.c) against the token-by-token float64 reference,
+on states that sit in pool-like strided blocks; its batch and thread invariance; the fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tidal.ops import cpu_kernels
+from tidal.ops.kda import kda_decode_step_, kda_gate, kda_recurrent, l2_normalize
+
+H, K, V = 3, 32, 48
+
+
+def decode_inputs(gen: torch.Generator, B: int, T: int, bound: float | None):
+    q = l2_normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)) * K**-0.5
+    k = l2_normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64))
+    v = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    z = 3 * torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)
+    g = kda_gate(z, torch.zeros(H, 1, dtype=torch.float64), torch.zeros(H * K, dtype=torch.float64), bound)
+    beta = torch.rand(B, T, H, generator=gen, dtype=torch.float64)
+    state = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)
+    return q, k, v, g, beta, state
+
+
+def pool_like(state: torch.Tensor, gap: int = 1000) -> torch.Tensor:
+    """A float32 copy of state [B, H, K, V] inside a bigger buffer: sequence b's block starts
+    H*K*V + gap floats after sequence b-1's (like consecutive blocks of the engine's pool)."""
+    B = state.shape[0]
+    buf = torch.full((B, H * K * V + gap), float("nan"))
+    view = buf[:, :H * K * V].unflatten(1, (H, K, V))
+    view.copy_(state)
+    return view
+
+
+@pytest.fixture()
+def kernel():
+    step = cpu_kernels.kda_decode_kernel()
+    if step is None:
+        pytest.skip("no C compiler here: the torch form runs (tested in test_kda.py)")
+    return step
+
+
+@pytest.mark.parametrize("bound", [-5.0, None])
+def test_kernel_chain_matches_float64_reference(kernel, bound):
+    """12 decode tokens through the kernel on strided float32 states == kda_recurrent in float64."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, g, beta, state = decode_inputs(gen, 5, 12, bound)
+    o_ref, s_ref = kda_recurrent(q, k, v, g, beta, state)
+    s = pool_like(state)
+    outs = [kernel(*(t[:, i].float() for t in (q, k, v, g, beta)), s) for i in range(12)]
+    torch.testing.assert_close(torch.stack(outs, 1).double(), o_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s.double(), s_ref, rtol=1e-4, atol=1e-4)
+    assert s.untyped_storage().nbytes() > s.numel() * 4  # it really was a strided view
+
+
+def test_kernel_matches_torch_form_and_is_what_decode_step_runs(kernel):
+    gen = torch.Generator().manual_seed(8)
+    q, k, v, g, beta, state = (t.float() for t in decode_inputs(gen, 6, 1, -5.0))
+    inputs = [t[:, 0] for t in (q, k, v, g, beta)]
+    s_c, s_t, s_d = pool_like(state), pool_like(state), pool_like(state)
+    o_c = kernel(*inputs, s_c)
+    o_t = kda_decode_step_(*inputs, s_t, use_kernel=False)
+    o_d = kda_decode_step_(*inputs, s_d)
+    torch.testing.assert_close(o_c, o_t, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s_c, s_t, rtol=1e-5, atol=1e-5)
+    assert torch.equal(o_d, o_c) and torch.equal(s_d, s_c)
+
+
+def test_kernel_is_bitwise_batch_and_thread_invariant(kernel):
+    """Each (sequence, head) is one thread's fixed-order loop: alone == in a batch, 1 == 2 threads."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, g, beta, state = (t.float() for t in decode_inputs(gen, 9, 1, None))
+    inputs = [t[:, 0] for t in (q, k, v, g, beta)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        s_all = pool_like(state)
+        o_all = kernel(*inputs, s_all)
+        torch.set_num_threads(1)
+        for b in (0, 4, 8):
+            s_b = pool_like(state[b : b + 1])
+            o_b = kernel(*(t[b : b + 1] for t in inputs), s_b)
+            assert torch.equal(o_b[0], o_all[b]) and torch.equal(s_b[0], s_all[b])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_fallback_when_disabled_or_the_build_fails(monkeypatch, tmp_path):
+    state = torch.zeros(2, H, K, V)
+    try:
+        for env in ({"TIDAL_CPU_KERNELS": "0"}, {"CC": "/bin/false", "TIDAL_CACHE_DIR": str(tmp_path)}):
+            cpu_kernels._library.cache_clear()
+            cpu_kernels.kda_decode_kernel.cache_clear()
+            with monkeypatch.context() as m:
+                for name, value in env.items():
+                    m.setenv(name, value)
+                assert cpu_kernels.kda_decode_for(state) is None
+                q = torch.randn(2, H, K)
+                o = kda_decode_step_(q, q, torch.randn(2, H, V), -torch.rand(2, H, K), torch.rand(2, H), state)
+                assert o.shape == (2, H, V) and torch.isfinite(o).all()
+    finally:
+        cpu_kernels._library.cache_clear()
+        cpu_kernels.kda_decode_kernel.cache_clear()
+    assert cpu_kernels.kda_decode_for(torch.zeros(2, H, K, V, dtype=torch.float64)) is None
