@@ -171,7 +171,8 @@ def test_pool_cache_matches_simple_cache(dtype):
             view = PoolCacheView(pool, ["a", "b"], q, c)
             got = model.compute_logits(model(ids, ForwardBatch(q, c, view)))
             want = model.compute_logits(model(ids, simple_batch(config, q, ref, c)))
-            assert torch.equal(got, want)
+            # equal up to rounding: the pool's decode reads its pages in place (C kernel on the CPU)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_shared_pages_are_refcounted_copied_on_write_and_remapped_by_compaction():
@@ -244,7 +245,7 @@ def test_request_states_take_the_lowest_blocks_cache_and_kv_the_highest():
 
 def test_decode_on_scattered_state_blocks_matches_simple_cache():
     """States in several runs of blocks (gaps left by finished requests, batch order unlike block
-    order) are stepped in place and give exactly the reference logits."""
+    order) are stepped in place and give the reference logits."""
     config = tiny_k3()
     model = init_weights(KimiForCausalLM(config), seed=1).eval()
     pool = make_pool(num_blocks=24)
@@ -268,5 +269,5 @@ def test_decode_on_scattered_state_blocks_matches_simple_cache():
             batch = ForwardBatch(q, c, view)
             got = model.compute_logits(model(ids, batch))
             want = model.compute_logits(model(ids, simple_batch(config, q, ref, c)))
-            assert torch.equal(got, want)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert len(batch.decode_runs(torch.device("cpu"))) > 1

@@ -37,6 +37,7 @@ import torch
 
 from tidal.config import ModelConfig
 from tidal.model.layers import compute_dtype
+from tidal.ops.mla import gather_pages
 from tidal.plan import PoolLayout
 
 FREE, STATE, KV = 0, 1, 2
@@ -426,11 +427,10 @@ class MemoryPool:
     def read_latents(self, mla_layer: int, blocks: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
         return self._pages[blocks, slots, mla_layer].view(-1, self.config.mla_cache_width)[:length]
 
-    def read_latent_pages(self, mla_layer: int, pages: torch.Tensor) -> torch.Tensor:
-        """Whole pages [*pages.shape, page_size, C] of one MLA layer, ``pages`` holding global page
-        ids: one index_select over the layer's strided view (4x faster than advanced indexing)."""
-        layer = self._pages.flatten(0, 1)[:, mla_layer]  # [num_blocks * pages_per_block, ps, C]
-        return layer.index_select(0, pages.flatten()).view(*pages.shape, *layer.shape[1:])
+    def latent_pages(self, mla_layer: int) -> torch.Tensor:
+        """One MLA layer's rows in every page: a strided view [num_blocks * pages_per_block, ps, C]
+        indexed by global page id."""
+        return self._pages.flatten(0, 1)[:, mla_layer]
 
 
 class PoolCacheView:
@@ -470,15 +470,18 @@ class PoolCacheView:
 
     def mla_read(self, mla_layer: int, seq: int) -> torch.Tensor:
         pages, _ = self._page_index((seq,))
-        return self.pool.read_latent_pages(mla_layer, pages[0]).flatten(0, 1)[: self._lengths[seq]]
+        rows = self.pool.latent_pages(mla_layer).index_select(0, pages[0])
+        return rows.flatten(0, 1)[: self._lengths[seq]]
 
     def mla_read_padded(self, mla_layer: int, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One gather of whole pages for all ``seqs``; rows past each length are zeroed."""
         pages, lengths = self._page_index(tuple(seqs))
-        rows = self.pool.read_latent_pages(mla_layer, pages).flatten(1, 2)  # [n, pages * ps, C]
-        rows = rows[:, : int(lengths.max())]
-        past = torch.arange(rows.shape[1], device=rows.device)[None, :] >= lengths[:, None]
-        return rows.masked_fill_(past.unsqueeze(-1), 0), lengths
+        return gather_pages(self.pool.latent_pages(mla_layer), pages, lengths), lengths
+
+    def mla_pages(self, mla_layer: int, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the layer's pages [P, ps, C], page ids [n, max pages], lengths [n]) of ``seqs``, for
+        kernels that read the pages in place (``tidal.ops.mla.mla_paged_decode``)."""
+        return (self.pool.latent_pages(mla_layer), *self._page_index(tuple(seqs)))
 
     def _page_index(self, seqs: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """Page ids [n, max pages] of the sequences (short tables padded with their own first

@@ -8,7 +8,7 @@ from torch import nn
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
 from tidal.model.layers import RMSNorm, compute_dtype, fuse_linears, linear
-from tidal.ops.mla import mla_absorbed_attention, mla_naive_attention
+from tidal.ops.mla import mla_absorbed_attention, mla_naive_attention, mla_paged_decode
 
 
 class KimiMLA(nn.Module):
@@ -71,9 +71,14 @@ class KimiMLA(nn.Module):
         out = x.new_empty(T, n, self.v_dim)
         if batch.decode_seqs:
             rows = batch.decode_rows(x.device)[1]
-            latents, lengths = batch.cache.mla_read_padded(self.mla_index, batch.decode_seqs)
-            o = mla_absorbed_attention(q_nope[rows, None], q_pe[rows, None], latents, lengths, w, self.scale)
-            out[rows] = o[:, 0]
+            paged = getattr(batch.cache, "mla_pages", None)  # a paged cache: read the pages in place
+            if paged is not None:
+                pages = paged(self.mla_index, batch.decode_seqs)
+                out[rows] = mla_paged_decode(q_nope[rows], q_pe[rows], *pages, w, self.scale)
+            else:
+                latents, lengths = batch.cache.mla_read_padded(self.mla_index, batch.decode_seqs)
+                o = mla_absorbed_attention(q_nope[rows, None], q_pe[rows, None], latents, lengths, w, self.scale)
+                out[rows] = o[:, 0]
         for b in batch.prefill_seqs:
             sl = batch.token_slice(b)
             latents = batch.cache.mla_read(self.mla_index, b)

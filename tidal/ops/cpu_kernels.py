@@ -64,16 +64,24 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
+def _function(library: str, name: str, argtypes: list) -> Callable | None:
+    lib = _library(library)
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, None
+    return fn
+
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
 @cache
 def kda_decode_kernel() -> Callable[..., torch.Tensor] | None:
     """The C decode step (see csrc/kda_decode.c), or None where it is unavailable."""
-    lib = _library("kda_decode")
-    if lib is None:
+    fn = _function("kda_decode", "kda_decode_step_f32", [_PTR, _I64, *[_PTR] * 6, *[_I64] * 4, ctypes.c_int])
+    if fn is None:
         return None
-    fn = lib.kda_decode_step_f32
-    i64 = ctypes.c_int64
-    fn.argtypes = [ctypes.c_void_p, i64, *[ctypes.c_void_p] * 6, i64, i64, i64, i64, ctypes.c_int]
-    fn.restype = None
 
     def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              state: torch.Tensor) -> torch.Tensor:
@@ -96,3 +104,34 @@ def kda_decode_for(state: torch.Tensor, *inputs: torch.Tensor) -> Callable[..., 
             or any(t.requires_grad for t in inputs)):
         return None
     return kda_decode_kernel()
+
+
+@cache
+def mla_decode_kernel() -> Callable[..., torch.Tensor] | None:
+    """The C paged MLA decode attention (see csrc/mla_decode.c), or None where it is unavailable."""
+    fn = _function("mla_decode", "mla_paged_decode",
+                   [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 4, ctypes.c_float, ctypes.c_int,
+                    ctypes.c_int])
+    if fn is None:
+        return None
+
+    def attend(pages: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor, query: torch.Tensor,
+               rank: int, scale: float) -> torch.Tensor:
+        B, n, C = query.shape
+        table, lengths = table.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
+        query = query.to(torch.float32).contiguous()
+        o_lat = torch.empty(B, n, rank, dtype=torch.float32)
+        fn(_ptr(pages), pages.stride(0), pages.shape[1], _ptr(table), table.shape[1], _ptr(lengths), _ptr(query),
+           _ptr(o_lat), B, n, C, rank, scale, int(pages.dtype == torch.bfloat16), torch.get_num_threads())
+        return o_lat
+
+    return attend
+
+
+def mla_decode_for(pages: torch.Tensor, query: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """The C paged decode attention when it applies: CPU pages [P, page_size, C] of float32 or
+    bfloat16 rows (each page's rows contiguous), no autograd, and the kernel built."""
+    if (pages.device.type != "cpu" or pages.dtype not in (torch.float32, torch.bfloat16) or pages.dim() != 3
+            or pages.stride()[1:] != (pages.shape[2], 1) or query.requires_grad or query.shape[-1] != pages.shape[2]):
+        return None
+    return mla_decode_kernel()

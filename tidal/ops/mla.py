@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from tidal.model.layers import compute_dtype
+from tidal.ops.cpu_kernels import mla_decode_for
 
 # Upper bound on score elements (heads x queries x keys) the naive kernel materialises at once;
 # longer prefills are processed in query chunks so memory stays bounded (~1 GiB in float32).
@@ -110,3 +111,39 @@ def pad_latents(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence latents [L_b, C] -> (zero-padded [B, max L_b, C], lengths [B] long)."""
     lengths = torch.tensor([x.shape[0] for x in rows], dtype=torch.long, device=rows[0].device)
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True), lengths
+
+
+def gather_pages(pages: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Rows of paged sequences, zero-padded: pages [P, page_size, C], table [B, max_pages] page ids
+    (any valid id past a sequence's pages), lengths [B] -> [B, max length, C]. One index_select."""
+    B, width = table.shape
+    rows = pages.index_select(0, table.flatten()).view(B, width * pages.shape[1], pages.shape[2])
+    rows = rows[:, : int(lengths.max())]
+    past = torch.arange(rows.shape[1], device=rows.device)[None, :] >= lengths[:, None]
+    return rows.masked_fill_(past.unsqueeze(-1), 0)
+
+
+def mla_paged_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    pages: torch.Tensor,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode query per sequence against its paged cache: q_nope [B, n, d_nope], q_pe [B, n,
+    d_rope], pages/table/lengths as :func:`gather_pages` -> [B, n, d_v].
+
+    On the CPU a C kernel reads the pages in place (``tidal.ops.cpu_kernels``); elsewhere the rows
+    are gathered and :func:`mla_absorbed_attention` runs (the same math; the tests compare them)."""
+    B, n, dn = q_nope.shape
+    cdt = compute_dtype(q_nope.dtype)
+    w_uk, w_uv = split_kv_b(kv_b_weight.to(cdt), n, dn)
+    query = torch.cat([torch.einsum("bnd,ndr->bnr", q_nope.to(cdt), w_uk), q_pe.to(cdt)], dim=-1)
+    kernel = mla_decode_for(pages, query) if cdt == torch.float32 else None
+    if kernel is None:
+        latents = gather_pages(pages, table, lengths)
+        return mla_absorbed_attention(q_nope[:, None], q_pe[:, None], latents, lengths, kv_b_weight, scale)[:, 0]
+    o_lat = kernel(pages, table, lengths, query, w_uk.shape[-1], scale)
+    return torch.einsum("bnr,nvr->bnv", o_lat, w_uv).to(q_nope.dtype)
