@@ -17,7 +17,10 @@ from torch.nn.utils import parametrize
 from tidal.config import ModelConfig
 from tidal.model.layers import RMSNorm, compute_dtype, linear
 from tidal.ops.activation import can_overwrite, situ, swiglu
+from tidal.ops.cpu_kernels import grouped_gemm_for
 
+# With the C grouped matmul, decode batches whose experts get at most this many rows each use it.
+FEW_ROWS = 16
 # x @ w.t() with MKL in float32/float64 runs ~2x faster as (w @ x.t()).t() for a few rows whose
 # block is small (1 row is computed as 2, which is also ~2x faster than the matrix-vector product).
 # Measured on 192..3584-wide weights: faster up to 10 rows and 12 KiB of rows, slower beyond.
@@ -242,13 +245,17 @@ class Experts(nn.Module):
         rows its experts get."""
         T, k = ids.shape
         out = torch.zeros(T, h.shape[-1], dtype=compute_dtype(h.dtype), device=h.device)
-        if T == 1:
-            return self._one_token(h, ids, weights, out)
         if T == 0:
             return out
+        w13 = self._fused()
+        kernel = grouped_gemm_for(h, w13, self.w2) if w13 is not None else None
+        if T == 1 and kernel is None:
+            return self._one_token(h, ids, weights, out)
         order, experts, counts = group_by_expert(ids)
         token_of = order // k
         w_sorted = weights.reshape(-1)[order]
+        if kernel is not None and max(counts) <= FEW_ROWS:
+            return self._few_rows(kernel, h, token_of, w_sorted, experts, counts, w13, out)
         gate_up, w2 = self._gate_up_weights(), self.w2
         start = 0
         for i, j in blocks(counts, self.BLOCK_ROWS):
@@ -268,6 +275,19 @@ class Experts(nn.Module):
         gate, up = parts[0].tensor_split(2, dim=1) if len(parts) == 1 else parts
         act = activate(self.config, gate, up).split(counts)
         return torch.cat([project(a, w2[e]) for e, a in zip(experts, act)])
+
+    def _few_rows(
+        self, kernel: Callable[..., torch.Tensor], h: torch.Tensor, token_of: torch.Tensor, w_sorted: torch.Tensor,
+        experts: list[int], counts: list[int], w13: torch.Tensor, out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Decode: every active expert has a few rows; the C grouped matmul streams each expert's
+        weights once for its rows (``tidal.ops.cpu_kernels``), the activation runs once for all."""
+        offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum_(0)
+        ids = torch.tensor(experts, dtype=torch.int64)
+        gate_up = kernel(h.index_select(0, token_of), offsets, ids, w13)
+        gate, up = gate_up.tensor_split(2, dim=1)
+        y = kernel(activate(self.config, gate, up), offsets, ids, self.w2)
+        return self._add_weighted(out, token_of, y, w_sorted)
 
     def _one_token(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """forward for T == 1, without the grouping: the same products, added in the same order."""

@@ -135,3 +135,34 @@ def mla_decode_for(pages: torch.Tensor, query: torch.Tensor) -> Callable[..., to
             or pages.stride()[1:] != (pages.shape[2], 1) or query.requires_grad or query.shape[-1] != pages.shape[2]):
         return None
     return mla_decode_kernel()
+
+
+@cache
+def grouped_gemm_kernel() -> Callable[..., torch.Tensor] | None:
+    """The C grouped few-rows matmul (see csrc/grouped_gemm.c), or None where it is unavailable."""
+    fn = _function("grouped_gemm", "grouped_rows_gemm",
+                   [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int])
+    if fn is None:
+        return None
+
+    def gemm(x: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], w.shape[1], dtype=torch.float32)
+        fn(_ptr(x), x.shape[1], _ptr(offsets), _ptr(experts), experts.shape[0], _ptr(w), w.stride(0), w.shape[1],
+           _ptr(out), torch.get_num_threads())
+        return out
+
+    return gemm
+
+
+def grouped_gemm_for(x: torch.Tensor, *weights: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """The C grouped matmul when it applies: float32 CPU rows and stacked [E, N, K] weights whose
+    matrices have contiguous rows, and no autograd."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *weights)):
+        return None
+    for w in weights:
+        if w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 3 or w.stride()[1:] != (w.shape[2], 1):
+            return None
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return grouped_gemm_kernel()
