@@ -104,7 +104,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         save_model(init_weights(KimiForCausalLM(config), seed=0).to_dtype(dtype), path)
-        ours = load_model(path, dtype=dtype)
+        ours = load_model(path, dtype=dtype).process_weights_after_loading()  # as the engine does
         theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
     n_params = sum(p.numel() for p in ours.parameters())
     ids = torch.randint(0, config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0))
