@@ -13,6 +13,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -42,7 +43,8 @@ def _library(name: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler found: the torch form of %s runs instead (slower)", name)
         return None
     source = (CSRC / f"{name}.c").read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    # -march=native: the CPU's features belong in the key (a shared home directory, another CPU).
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _cpu_features()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     try:
         if not target.exists():
@@ -58,6 +60,14 @@ def _library(name: str) -> ctypes.CDLL | None:
         logger.warning("building the C kernel %s failed (%s %s): the torch form runs instead",
                        name, e, detail.decode(errors="replace")[-500:])
         return None
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
+    except OSError:
+        return platform.machine() + platform.processor()
 
 
 def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
