@@ -37,7 +37,7 @@ CPU_POOL_FRACTION = 0.2
 DEFAULT_MEM_FRACTION_STATIC = 0.9
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # Prefix cache: a KDA state snapshot at least every this many tokens of a prefill. A multiple of
-# the KDA chunk (64) and of the usual page sizes; a lone long prompt prefills in chunks of at most
+# the KDA chunk (32) and of the usual page sizes; a lone long prompt prefills in chunks of at most
 # this many tokens, and a prefix shared by different prompts resumes at a multiple of it (the
 # snapshots at prompt and request ends are exact). 256 (SGLang's mamba_track_interval) halves
 # those chunks for little gain: the next turn of a conversation hits the previous turn's end.
