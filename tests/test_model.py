@@ -110,3 +110,32 @@ def test_mxfp4_checkpoint_runs_the_fake_quantised_twin(tmp_path):
         got = prefill_logits(loaded, ids)
     torch.testing.assert_close(got, twin, rtol=1e-12, atol=1e-12)
     assert (got - before).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("preset", ["k3", "kimi_linear"])
+def test_prepared_weights_give_the_same_logits_and_follow_later_changes(preset):
+    """process_weights_after_loading (fused projections, input-major layout) keeps the state dict and
+    the logits; a weight replaced afterwards (new storage, or a cast) is used, never the stale
+    fused copy."""
+    from tidal.presets import tiny_k3, tiny_kimi_linear
+
+    config = tiny_k3() if preset == "k3" else tiny_kimi_linear()
+    plain = init_weights(KimiForCausalLM(config), seed=21).eval()
+    prepared = init_weights(KimiForCausalLM(config), seed=21).eval().process_weights_after_loading()
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), prepared.state_dict().values()))
+    ids = torch.randint(0, config.vocab_size, (9,), generator=torch.Generator().manual_seed(2))
+
+    def logits(model: KimiForCausalLM) -> torch.Tensor:
+        with torch.inference_mode():
+            cache = SimpleCache(config, 1, model.dtype)
+            return model.compute_logits(model(ids, simple_batch(config, [9], cache, [0])))
+
+    torch.testing.assert_close(logits(prepared), logits(plain), rtol=1e-4, atol=1e-4)
+    for model in (plain, prepared):  # new storage for one fused projection of each attention kind
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            w = attn.kv_a_proj_with_mqa.weight if hasattr(attn, "kv_a_proj_with_mqa") else attn.k_proj.weight
+            w.data = torch.full_like(w.contiguous(), 0.01)
+    torch.testing.assert_close(logits(prepared), logits(plain), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits(prepared.to_dtype(torch.float64)), logits(plain.to_dtype(torch.float64)),
+                               rtol=1e-10, atol=1e-10)

@@ -86,16 +86,13 @@ class ForwardBatch:
         self.decode_seqs = [b for b, n in enumerate(self.query_lens) if n == 1]
         self.prefill_seqs = [b for b, n in enumerate(self.query_lens) if n > 1]
 
-    def decode_rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Index tensors of the single-token sequences: (batch positions, positions in the flat
-        token run), built once per step and device."""
+    def decode_tokens(self, device: torch.device) -> torch.Tensor:
+        """Positions in the flat token run of the single-token sequences' tokens, built once per
+        step and device."""
         key = str(device)
         if key not in self._rows:
-            self._rows[key] = (
-                torch.tensor(self.decode_seqs, dtype=torch.long, device=device),
-                torch.tensor([self._cu[b] for b in self.decode_seqs], dtype=torch.long, device=device),
-            )
-        return self._rows[key]
+            self._rows[key] = torch.tensor([self._cu[b] for b in self.decode_seqs], dtype=torch.long, device=device)
+        return self._rows[key]  # type: ignore[return-value]
 
     def decode_runs(self, device: torch.device) -> list[StateRun]:
         """The single-token sequences grouped into runs of consecutive state slots (built once per

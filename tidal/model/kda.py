@@ -7,7 +7,7 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
-from tidal.model.layers import compute_dtype, fuse_linears, linear, rms_norm
+from tidal.model.layers import FusedWeights, compute_dtype, fuse_linears, linear, rms_norm
 from tidal.ops.kda import (
     CHUNK,
     kda_chunked,
@@ -57,21 +57,21 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(K, dtype=torch.float32))
         self.o_proj = linear(P, d)
+        self.in_proj: FusedWeights | None = None  # set by fuse_weights (serving)
 
     def fuse_weights(self) -> None:
         """Make the projections of x (q, k, v, f_a, the output gate's first matrix, b) row views of
         one tensor, so a step runs one matmul for all of them; parameters and state_dict keep their
         names and values."""
         gate = self.g_proj if self.config.kda_full_rank_gate else self.g_a_proj
-        self.fused_in_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj])
+        self.in_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj])
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(pre-conv q|k|v [T, 3P], f_a(x) [T, K], output-gate input [T, K or P], b(x) [T, H])."""
-        fused = getattr(self, "fused_in_proj", None)
+        fused = self.in_proj.for_forward() if self.in_proj is not None else None
         if fused is not None:
-            P = self.num_heads * self.head_dim
-            gate = P if self.config.kda_full_rank_gate else self.head_dim
-            return torch.nn.functional.linear(x, fused).split([3 * P, self.head_dim, gate, self.num_heads], dim=-1)
+            sizes = self.in_proj.sizes  # q, k, v (taken together), f_a, gate, b
+            return torch.nn.functional.linear(x, fused).split([sum(sizes[:3]), *sizes[3:]], dim=-1)
         gate = self.g_proj(x) if self.config.kda_full_rank_gate else self.g_a_proj(x)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         return qkv, self.f_a_proj(x), gate, self.b_proj(x)

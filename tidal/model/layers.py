@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -47,14 +49,54 @@ def inference_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight.detach().t().contiguous().t()
 
 
-def fuse_linears(linears: list[nn.Linear]) -> torch.Tensor:
-    """One [sum of outputs, in] tensor holding the weights of bias-free linears that read the same
-    input; each ``weight`` becomes a row view of it, so ``state_dict`` is unchanged and one matmul
-    computes every projection (fewer, larger matmuls: less per-op overhead at small batches)."""
-    fused = inference_layout(torch.cat([m.weight.detach() for m in linears]))
-    start = 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        m.weight.data = fused[start : start + rows]
-        start += rows
-    return fused
+class FusedWeights:
+    """Parameters that multiply the same input, kept as slices along dim -2 (their output rows) of
+    one tensor, so one matmul computes them all. The parameters stay the same objects with the same
+    names, shapes and values (state_dict and load_state_dict are unchanged); only their storage is
+    shared. A later cast, move or relayout of a parameter gives it storage of its own: the fused
+    tensor is then stale, dropped, and callers go back to the separate parameters."""
+
+    def __init__(
+        self, params: list[tuple[nn.Module, str]], layout: Callable[[torch.Tensor], torch.Tensor] = lambda w: w
+    ) -> None:
+        with torch.no_grad():
+            fused = layout(torch.cat([getattr(m, name).detach() for m, name in params], dim=-2))
+        start = 0
+        for m, name in params:
+            p = getattr(m, name)
+            p.data = fused[..., start : start + p.shape[-2], :]
+            start += p.shape[-2]
+        self.params, self.sizes, self._tensor = params, [getattr(m, n).shape[-2] for m, n in params], fused
+
+    @property
+    def tensor(self) -> torch.Tensor | None:
+        """The fused tensor while every parameter is still its slice, else None (from then on)."""
+        fused, start = self._tensor, 0
+        for p, rows in zip(self._current(), self.sizes):
+            if fused is None or p is None:
+                self._tensor = None
+                return None
+            part = fused[..., start : start + rows, :]
+            if p.dtype != fused.dtype or p.device != fused.device or p.stride() != part.stride() \
+                    or p.data_ptr() != part.data_ptr():
+                self._tensor = None
+                return None
+            start += rows
+        return fused
+
+    def for_forward(self) -> torch.Tensor | None:
+        """:attr:`tensor`, unless autograd must reach the parameters (the fused tensor is outside
+        the graph: training runs the separate parameters)."""
+        if torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in self._current()):
+            return None
+        return self.tensor
+
+    def _current(self) -> list[torch.Tensor | None]:
+        # _parameters, not getattr: a parametrised parameter (QAT) must not be recomputed here.
+        return [m._parameters.get(name) for m, name in self.params]
+
+
+def fuse_linears(linears: list[nn.Linear]) -> FusedWeights:
+    """The weights of bias-free linears reading the same input as one :class:`FusedWeights`, stored
+    in ``inference_layout`` (its views are then not contiguous and later relayouts leave them alone)."""
+    return FusedWeights([(m, "weight") for m in linears], inference_layout)

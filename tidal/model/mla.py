@@ -7,7 +7,7 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
-from tidal.model.layers import RMSNorm, compute_dtype, fuse_linears, linear
+from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, fuse_linears, linear
 from tidal.ops.mla import mla_absorbed_attention, mla_naive_attention, mla_paged_decode
 
 
@@ -35,6 +35,7 @@ class KimiMLA(nn.Module):
         if config.mla_use_output_gate:
             self.g_proj = linear(d, n * config.v_head_dim)
         self.o_proj = linear(n * config.v_head_dim, d)
+        self.in_proj: FusedWeights | None = None  # set by fuse_weights (serving)
         self.scale = config.qk_head_dim ** -0.5
 
     def fuse_weights(self) -> None:
@@ -42,14 +43,13 @@ class KimiMLA(nn.Module):
         matmul per step for all of them; parameters and state_dict keep their names and values."""
         first = self.q_proj if self.config.q_lora_rank is None else self.q_a_proj
         parts = [first, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.config.mla_use_output_gate else [])
-        self._fused_split = [m.weight.shape[0] for m in parts]
-        self.fused_in_proj = fuse_linears(parts)
+        self.in_proj = fuse_linears(parts)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q [T, n * (d_nope + d_rope)], kv_a(x) [T, r + d_rope], output-gate logits or None)."""
-        fused = getattr(self, "fused_in_proj", None)
+        fused = self.in_proj.for_forward() if self.in_proj is not None else None
         if fused is not None:
-            first, kv, *gate = torch.nn.functional.linear(x, fused).split(self._fused_split, dim=-1)
+            first, kv, *gate = torch.nn.functional.linear(x, fused).split(self.in_proj.sizes, dim=-1)
         else:
             first = self.q_proj(x) if self.config.q_lora_rank is None else self.q_a_proj(x)
             kv = self.kv_a_proj_with_mqa(x)
@@ -70,7 +70,7 @@ class KimiMLA(nn.Module):
         w = self.kv_b_proj.weight
         out = x.new_empty(T, n, self.v_dim)
         if batch.decode_seqs:
-            rows = batch.decode_rows(x.device)[1]
+            rows = batch.decode_tokens(x.device)
             paged = getattr(batch.cache, "mla_pages", None)  # a paged cache: read the pages in place
             if paged is not None:
                 pages = paged(self.mla_index, batch.decode_seqs)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from tidal.config import ModelConfig
-from tidal.model.layers import RMSNorm, compute_dtype, linear
+from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, fuse_linears, linear
 from tidal.ops.activation import can_overwrite, situ, swiglu
 from tidal.ops.cpu_kernels import grouped_gemm_for
 
@@ -67,48 +67,6 @@ def project_each(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([w @ c for c, w in zip(cols, ws)])[:, :, 0].contiguous()
 
 
-def input_major(w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] with the same values, stored input-major on the CPU: the rule of
-    ``layers.inference_layout``, which ``process_weights_after_loading`` applies to every nn.Linear.
-    Stored so, the fused gate/up views are not contiguous and that pass leaves them alone."""
-    return w if w.device.type != "cpu" else w.t().contiguous().t()
-
-
-def _fuse_halves(
-    a_owner: nn.Module, a_name: str, b_owner: nn.Module, b_name: str,
-    layout: Callable[[torch.Tensor], torch.Tensor] = lambda w: w,
-) -> torch.Tensor:
-    """Concatenate two equal-shape parameters along dim -2 (stored in ``layout``) and rebind both as
-    views of the result."""
-    a, b = getattr(a_owner, a_name), getattr(b_owner, b_name)
-    if a.shape != b.shape:
-        raise ValueError(f"cannot fuse {a_name} {tuple(a.shape)} with {b_name} {tuple(b.shape)}")
-    with torch.no_grad():
-        both = layout(torch.cat([a, b], dim=-2))
-    n = a.shape[-2]
-    setattr(a_owner, a_name, nn.Parameter(both[..., :n, :], requires_grad=a.requires_grad))
-    setattr(b_owner, b_name, nn.Parameter(both[..., n:, :], requires_grad=b.requires_grad))
-    return both
-
-
-def _is_half_of(p: torch.Tensor | None, both: torch.Tensor, half: int) -> bool:
-    """Whether p is still the view ``_fuse_halves`` made (a later cast, move or relayout replaces it)."""
-    offset = half * (both.shape[-2] // 2) * both.stride(-2)
-    return (
-        p is not None and p.dtype == both.dtype and p.device == both.device and p.stride() == both.stride()
-        and p.data_ptr() == both.data_ptr() + offset * both.element_size()
-    )
-
-
-def _intact(both: torch.Tensor, first: torch.Tensor | None, second: torch.Tensor | None) -> bool:
-    return _is_half_of(first, both, 0) and _is_half_of(second, both, 1)
-
-
-def _needs_grad(first: torch.Tensor | None, second: torch.Tensor | None) -> bool:
-    """Whether autograd must reach the parameters (the fused tensor is not in the graph)."""
-    return torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in (first, second))
-
-
 class KimiMLP(nn.Module):
     """gate/up/down MLP: the dense first layer(s) and the shared experts."""
 
@@ -118,26 +76,20 @@ class KimiMLP(nn.Module):
         self.gate_proj = linear(hidden, intermediate)
         self.up_proj = linear(hidden, intermediate)
         self.down_proj = linear(intermediate, hidden)
-        self.gate_up: torch.Tensor | None = None  # set by fuse_weights; not a parameter or buffer
+        self._gate_up: FusedWeights | None = None  # set by fuse_weights (serving)
 
     def fuse_weights(self) -> None:
-        """Keep gate_proj and up_proj weights as the two row halves of one [2I, d] tensor (stored
-        :func:`input_major`), so forward runs them as one matmul. State-dict names, shapes and
-        values do not change. A later cast, move or relayout of the parameters undoes it (forward
-        then runs unfused and drops the stale tensor)."""
-        self._fused()  # drops a stale fused tensor
+        """Keep gate_proj and up_proj weights as the two row halves of one [2I, d] tensor, so
+        forward runs them as one matmul (see :class:`FusedWeights`; a stale one is fused again)."""
         if self.gate_up is None:
-            self.gate_up = _fuse_halves(self.gate_proj, "weight", self.up_proj, "weight", input_major)
+            self._gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
-    def _fused(self) -> torch.Tensor | None:
-        """The fused weight when forward may use it."""
-        first, second = self.gate_proj._parameters.get("weight"), self.up_proj._parameters.get("weight")
-        if self.gate_up is not None and not _intact(self.gate_up, first, second):
-            self.gate_up = None
-        return None if _needs_grad(first, second) else self.gate_up
+    @property
+    def gate_up(self) -> torch.Tensor | None:
+        return self._gate_up.tensor if self._gate_up is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self._fused()
+        gate_up = self._gate_up.for_forward() if self._gate_up is not None else None
         if gate_up is not None:
             gu = project(x, gate_up)
             inter = gate_up.shape[0] // 2
@@ -213,22 +165,22 @@ class Experts(nn.Module):
         self.w1 = nn.Parameter(torch.zeros(E, inter, d))
         self.w3 = nn.Parameter(torch.zeros(E, inter, d))
         self.w2 = nn.Parameter(torch.zeros(E, d, inter))
-        self.w13: torch.Tensor | None = None  # set by fuse_weights; not a parameter or buffer
+        self._w13: FusedWeights | None = None  # set by fuse_weights (serving)
 
     def fuse_weights(self) -> None:
         """Keep w1 and w3 as the two halves of one [E, 2I, d_e] tensor, so each expert's gate and up
-        projections are one matmul. State-dict names, shapes and values do not change; w1/w3 become
-        strided views. A later cast or move undoes it; parametrised (QAT) experts are left alone."""
-        self._fused()  # drops a stale fused tensor
+        projections are one matmul (see :class:`FusedWeights`; w1/w3 become strided views; a stale
+        one is fused again). Parametrised (QAT) experts are left alone."""
         if self.w13 is None and not parametrize.is_parametrized(self):
-            self.w13 = _fuse_halves(self, "w1", self, "w3")
+            self._w13 = FusedWeights([(self, "w1"), (self, "w3")])
+
+    @property
+    def w13(self) -> torch.Tensor | None:
+        return self._w13.tensor if self._w13 is not None else None
 
     def _fused(self) -> torch.Tensor | None:
         """The fused w1|w3 when forward may use it."""
-        first, second = self._parameters.get("w1"), self._parameters.get("w3")
-        if self.w13 is not None and not _intact(self.w13, first, second):
-            self.w13 = None
-        return None if _needs_grad(first, second) else self.w13
+        return self._w13.for_forward() if self._w13 is not None else None
 
     def _gate_up_weights(self) -> list[torch.Tensor]:
         """[w13] when fused, else [w1, w3] (read once: under a parametrisation each read recomputes)."""
