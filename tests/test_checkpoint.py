@@ -322,3 +322,26 @@ def test_load_to_cuda_matches_cpu(k3_dir):
     for k, v in cpu.state_dict().items():
         g = gpu.state_dict()[k]
         assert g.is_cuda and torch.equal(g.cpu(), v), k
+
+
+def test_dense_mlp_under_transformers_name_loads_and_both_spellings_are_rejected(tmp_path):
+    config = presets.tiny_kimi_linear()
+    model = random_model(config)
+    save_model(model, tmp_path)
+    path = tmp_path / "model.safetensors"
+    names = [k for k in load_file(path) if ".mlp." in k]
+    assert names
+
+    def rename(t):
+        for k in names:
+            t[k.replace(".mlp.", ".block_sparse_moe.")] = t.pop(k)
+
+    rewrite(path, rename)
+    assert_same_state(load_model(tmp_path).state_dict(), model.state_dict())
+
+    def duplicate(t):
+        t[names[0]] = t[names[0].replace(".mlp.", ".block_sparse_moe.")].clone()
+
+    rewrite(path, duplicate)
+    with pytest.raises(CheckpointError, match="again as"):
+        load_model(tmp_path)

@@ -17,7 +17,7 @@ import logging
 import re
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -182,9 +182,19 @@ class _Checkpoint:
     inventory: str  # the file that lists the tensors (single file or index), for messages
     handles: dict[str, Any]
     where: dict[str, str]
+    on_disk: dict[str, str] = field(default_factory=dict)  # layout name -> the name in the file, where they differ
 
     def file(self, name: str) -> Path:
         return self.root / self.where[name]
+
+    def disk_name(self, name: str) -> str:
+        return self.on_disk.get(name, name)
+
+    def slice(self, name: str) -> Any:
+        return self.handles[self.where[name]].get_slice(self.disk_name(name))
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.handles[self.where[name]].get_tensor(self.disk_name(name))
 
 
 def _read_config(model_dir: Path) -> ModelConfig:
@@ -260,8 +270,34 @@ def _open(stack: contextlib.ExitStack, root: Path) -> _Checkpoint:
     return _Checkpoint(root, INDEX_FILE, handles, dict(weight_map))
 
 
+# transformers' kimi_linear renames every ``.mlp.`` to ``.block_sparse_moe.`` when it saves
+# (conversion_mapping.py reverses its load-time rename), so a fine-tuned Kimi Linear checkpoint names
+# the dense layers' MLP ``block_sparse_moe.{gate,up,down}_proj``. Layout name part -> on-disk part.
+TRANSFORMERS_RENAMES = {"dense_mlp": (".mlp.", ".block_sparse_moe.")}
+
+
+def _adopt_transformers_names(ckpt: _Checkpoint, layout: dict[str, tuple[TensorSpec, _Source]]) -> None:
+    """Read a tensor under the name transformers' save_pretrained gives it when the checkpoint lacks
+    the canonical name; a checkpoint holding both spellings is ambiguous and rejected."""
+    for name, (spec, _) in layout.items():
+        rename = TRANSFORMERS_RENAMES.get(spec.kind)
+        if rename is None:
+            continue
+        alias = name.replace(*rename)
+        if alias not in ckpt.where:
+            continue
+        if name in ckpt.where:
+            raise CheckpointError(
+                f"tensor '{name}' is in {ckpt.file(name)} and again as '{alias}' in {ckpt.file(alias)}; "
+                "keep one of the two spellings"
+            )
+        ckpt.where[name] = ckpt.where.pop(alias)
+        ckpt.on_disk[name] = alias
+
+
 def _check(ckpt: _Checkpoint, config: ModelConfig, layout: dict[str, tuple[TensorSpec, _Source]]) -> None:
     """Inventory, shapes and dtypes, from the headers only, before any data is read."""
+    _adopt_transformers_names(ckpt, layout)
     for name in ckpt.where:
         if name not in layout and not (config.model_type == "kimi_k3" and name.startswith(VISION_PREFIXES)):
             raise CheckpointError(
@@ -271,7 +307,7 @@ def _check(ckpt: _Checkpoint, config: ModelConfig, layout: dict[str, tuple[Tenso
     for name, (spec, src) in layout.items():
         if name not in ckpt.where:
             raise CheckpointError(f"missing tensor '{name}': not in {ckpt.root / ckpt.inventory}")
-        piece = ckpt.handles[ckpt.where[name]].get_slice(name)
+        piece = ckpt.slice(name)
         shape, dtype_name = tuple(piece.get_shape()), piece.get_dtype()
         dtype = _ST_DTYPES.get(dtype_name)
         if src.part in ("packed", "scale"):
@@ -280,16 +316,16 @@ def _check(ckpt: _Checkpoint, config: ModelConfig, layout: dict[str, tuple[Tenso
             ok_dtype = dtype in _FLOAT_ON_DISK
         if not ok_dtype:
             want = "uint8" if src.part in ("packed", "scale") else "a float dtype"
-            raise CheckpointError(f"tensor '{name}' in {ckpt.file(name)} has dtype {dtype_name}, expected {want}")
+            raise CheckpointError(f"tensor '{ckpt.disk_name(name)}' in {ckpt.file(name)} has dtype {dtype_name}, expected {want}")
         if spec.min_length:
             if len(shape) != 1 or shape[0] < spec.shape[0]:
                 raise CheckpointError(
-                    f"tensor '{name}' in {ckpt.file(name)} has shape {list(shape)}, "
+                    f"tensor '{ckpt.disk_name(name)}' in {ckpt.file(name)} has shape {list(shape)}, "
                     f"expected a 1-D vector of at least {spec.shape[0]} values"
                 )
         elif shape != spec.shape:
             raise CheckpointError(
-                f"tensor '{name}' in {ckpt.file(name)} has shape {list(shape)}, expected {list(spec.shape)}"
+                f"tensor '{ckpt.disk_name(name)}' in {ckpt.file(name)} has shape {list(shape)}, expected {list(spec.shape)}"
             )
 
 
@@ -358,7 +394,7 @@ def load_model(
         pending: dict[tuple[str, int], torch.Tensor] = {}  # MXFP4 half waiting for its other half
         for name, (spec, src) in layout.items():
             target = targets[src.param]
-            tensor = ckpt.handles[ckpt.where[name]].get_tensor(name)  # a view of the memory map
+            tensor = ckpt.tensor(name)  # a view of the memory map
             progress.add(tensor)
             out = filled.get(src.param)
             if out is None:
