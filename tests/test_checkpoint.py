@@ -167,7 +167,7 @@ def test_k3_vision_tensors_ignored(tmp_path):
 
 
 def test_expected_tensors_inventory():
-    config = presets.tiny_k3()
+    config = presets.tiny_k3(vision=True)
     specs = expected_tensors(config)
     assert {s.kind for s in specs.values()} == set(KINDS)
     moe_layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]

@@ -10,9 +10,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tidal.model.vision.config import VisionConfig
 
 
 class ConfigError(ValueError):
@@ -95,6 +98,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
     torch_dtype: str = "bfloat16"
+    # K2.5/K3 vision: the MoonViT tower + projector (None: a text-only model) and the id of the
+    # token whose embedding each merged image patch replaces (<|media_pad|>).
+    vision: "VisionConfig | None" = None
+    media_placeholder_token_id: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived sizes -------------------------------------------------------------------------
@@ -181,7 +188,7 @@ class ModelConfig:
             raise ConfigError(f"{path}: config.json not found") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(data)
+        return _parse(data, path.parent)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
@@ -250,7 +257,7 @@ class ModelConfig:
                 }
             if self.kda_a_log_layout != "head":
                 lac["a_log_layout"] = self.kda_a_log_layout
-            return {
+            out = {
                 "architectures": ["KimiK3ForConditionalGeneration"],
                 "model_type": "kimi_k3",
                 "bos_token_id": self.bos_token_id,
@@ -260,6 +267,11 @@ class ModelConfig:
                 "torch_dtype": self.torch_dtype,
                 "text_config": text,
             }
+            if self.media_placeholder_token_id is not None:
+                out["media_placeholder_token_id"] = self.media_placeholder_token_id
+            if self.vision is not None:
+                out["vision_config"] = self.vision.to_dict()
+            return out
         text["architectures"] = ["KimiLinearForCausalLM"]
         if self.kda_gate_lower_bound is not None:
             text["linear_attn_config"]["gate_lower_bound"] = self.kda_gate_lower_bound
@@ -308,7 +320,7 @@ class _Fields:
         return value
 
 
-def _parse(data: dict[str, Any]) -> ModelConfig:
+def _parse(data: dict[str, Any], model_dir: Path | None = None) -> ModelConfig:
     if not isinstance(data, dict):
         raise ConfigError("config.json must hold a JSON object")
     model_type = data.get("model_type")
@@ -384,10 +396,19 @@ def _parse(data: dict[str, Any]) -> ModelConfig:
     if hidden_act not in SUPPORTED_ACTIVATIONS:
         raise ConfigError(f"config field '{prefix}hidden_act' is {hidden_act!r}; supported: {SUPPORTED_ACTIVATIONS}")
     num_experts = f.get("num_experts", int, 0)
+    hidden_size = f.positive("hidden_size")
+    vision = None
+    if model_type == "kimi_k3" and outer.get("vision_config") is not None:
+        from tidal.model.vision.config import parse_vision_config
+
+        vision = parse_vision_config(outer["vision_config"], hidden_size, model_dir)
+    media_id = outer.get("media_placeholder_token_id")
+    if media_id is not None and (not isinstance(media_id, int) or isinstance(media_id, bool) or media_id < 0):
+        raise ConfigError(f"config field 'media_placeholder_token_id' must be a token id, got {media_id!r}")
     cfg = ModelConfig(
         model_type=model_type,
         vocab_size=f.positive("vocab_size"),
-        hidden_size=f.positive("hidden_size"),
+        hidden_size=hidden_size,
         num_hidden_layers=n_layers,
         rms_norm_eps=f.get("rms_norm_eps", float),
         tie_word_embeddings=bool(outer.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
@@ -431,6 +452,8 @@ def _parse(data: dict[str, Any]) -> ModelConfig:
         eos_token_ids=eos_ids,
         pad_token_id=outer.get("pad_token_id", text.get("pad_token_id")),
         torch_dtype=str(outer.get("torch_dtype", text.get("torch_dtype", outer.get("dtype", "bfloat16")))),
+        vision=vision,
+        media_placeholder_token_id=media_id,
         raw=data,
     )
     return _validate(cfg)

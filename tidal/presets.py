@@ -59,9 +59,11 @@ def tiny_k3_dict(
     mxfp4: bool = True,
     num_experts: int = 8,
     top_k: int = 2,
+    vision: bool = False,
 ) -> dict[str, Any]:
     """A K3-layout config.json, every K3 feature on (q-LoRA, gated MLA, latent MoE, SiTU, AttnRes,
-    MXFP4 experts unless ``mxfp4=False``), sized for tests."""
+    MXFP4 experts unless ``mxfp4=False``), sized for tests; ``vision``: with a 2-layer K3-style
+    vision tower (RMSNorm, no biases, bilinear, qkv wider than the tower)."""
     d = preset_dict("kimi-k3")
     t = d["text_config"]
     _shrink(t, hidden_size, num_layers, vocab_size, num_experts, top_k)
@@ -75,7 +77,15 @@ def tiny_k3_dict(
     if not mxfp4:
         del t["quantization_config"]
     d.update(bos_token_id=vocab_size - 3, eos_token_id=vocab_size - 1, pad_token_id=vocab_size - 2)
-    d.pop("vision_config", None)
+    if vision:
+        d["vision_config"] = dict(
+            d["vision_config"], vt_hidden_size=32, vt_intermediate_size=64, vt_num_hidden_layers=2,
+            vt_num_attention_heads=2, qkv_hidden_size=48, mm_hidden_size=32, text_hidden_size=hidden_size,
+            init_pos_emb_height=8, init_pos_emb_width=8,
+        )
+        d["media_placeholder_token_id"] = vocab_size - 4
+    else:
+        d.pop("vision_config", None)
     return d
 
 

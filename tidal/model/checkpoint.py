@@ -36,7 +36,9 @@ log = logging.getLogger("tidal.load")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 K3_PREFIX = "language_model."
-VISION_PREFIXES = ("vision_tower.", "mm_projector.")  # K3's vision model: accepted, not loaded
+# K3's vision model, stored under these names without the language_model. prefix: loaded when the
+# config has a vision_config, else accepted and skipped (a text-only serving of the checkpoint).
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 MXFP4 = "mxfp4-pack-quantized"
 # Kept at (at least) float32 on disk. K3 also keeps its conv weights and o_norm in float32.
 K3_FP32_ON_DISK = FP32_PARAMS + ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight")
@@ -44,7 +46,7 @@ PROGRESS_SECONDS = 2.0
 
 KINDS = (
     "embedding", "lm_head", "kda", "mla", "dense_mlp", "shared_experts", "routed_experts",
-    "router", "norm", "attn_res", "latent_proj",
+    "router", "norm", "attn_res", "latent_proj", "vision",
 )
 
 _ST_DTYPES = {
@@ -119,6 +121,9 @@ def _layout(config: ModelConfig) -> dict[str, tuple[TensorSpec, _Source]]:
             continue
         kind = _kind(config, name)
         shape = tuple(t.shape)
+        if kind == "vision":
+            out[name] = (TensorSpec(shape, disk, kind), _Source(name))
+            continue
         dtype = wide if any(name == k or name.endswith("." + k) for k in keep_wide) else disk
         if kind == "routed_experts":
             base = name.rsplit(".", 1)
@@ -148,6 +153,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _kind(config: ModelConfig, name: str) -> str:
+    if name.startswith(VISION_PREFIXES):
+        return "vision"
     if name == "model.embed_tokens.weight":
         return "embedding"
     if name == "lm_head.weight":
@@ -299,7 +306,8 @@ def _check(ckpt: _Checkpoint, config: ModelConfig, layout: dict[str, tuple[Tenso
     """Inventory, shapes and dtypes, from the headers only, before any data is read."""
     _adopt_transformers_names(ckpt, layout)
     for name in ckpt.where:
-        if name not in layout and not (config.model_type == "kimi_k3" and name.startswith(VISION_PREFIXES)):
+        if name not in layout and not (config.model_type == "kimi_k3" and config.vision is None
+                                       and name.startswith(VISION_PREFIXES)):
             raise CheckpointError(
                 f"unexpected tensor '{name}' in {ckpt.file(name)}: not part of a {config.model_type} "
                 f"model with this config.json (expert format {config.expert_format})"

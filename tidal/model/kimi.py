@@ -12,6 +12,7 @@ from tidal.model.kda import KimiDeltaAttention
 from tidal.model.layers import RMSNorm, compute_dtype, inference_layout, linear
 from tidal.model.mla import KimiMLA
 from tidal.model.moe import KimiMLP, KimiMoE
+from tidal.model.vision.tower import MoonViT, PatchMergerProjector
 
 # Parameters kept in float32 (float64 in a float64 model) whatever the model dtype.
 FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")
@@ -56,9 +57,15 @@ class KimiModel(nn.Module):
         if config.attn_res_block_size:
             attn_res_params(self, "output_attn_res", d)
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """input_ids [T] (the batch's new tokens, concatenated) -> final-normed hidden [T, d]."""
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """input_ids [T] (the batch's new tokens, concatenated) -> final-normed hidden [T, d].
+        ``image_embeds`` = (positions [k] in the run, embeddings [k, d]): the image features that
+        replace those placeholder tokens' embeddings."""
         h = self.embed_tokens(input_ids)
+        if image_embeds is not None:
+            positions, embeds = image_embeds
+            h[positions] = embeds.to(h.dtype)
         if self.config.attn_res_block_size:
             h = self._forward_attn_res(h, batch)
         else:
@@ -98,9 +105,23 @@ class KimiForCausalLM(nn.Module):
         self.lm_head = linear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if config.vision is not None:  # the checkpoint's own names: vision_tower.*, mm_projector.*
+            self.vision_tower = MoonViT(config.vision)
+            self.mm_projector = PatchMergerProjector(config.vision)
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(input_ids, batch)
+    @property
+    def has_vision(self) -> bool:
+        return hasattr(self, "vision_tower")
+
+    def embed_image(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """One image's patches [h * w, 3, p, p] -> its placeholder embeddings [h*w / 4, hidden]."""
+        if not self.has_vision:
+            raise ValueError("this model takes no images")
+        return self.mm_projector(self.vision_tower(patches.to(self.vision_tower.patch_embed.proj.weight), grid))
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return self.model(input_ids, batch, image_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 (float64 for a float64 model)."""
