@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                       max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=cache,
                       prefix_snapshot_interval=args.snapshot_interval)
             if cache and args.snapshot_interval is None:
-                args.snapshot_interval = llm.engine.config.prefix_snapshot_interval
+                args.snapshot_interval = llm.engine.prefix_cache.snapshot_interval
             llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))  # warm-up
             llm.engine.flush_prefix_cache()
             results[cache] = run(llm, *user_turns(llm.engine.model_config.vocab_size, args), args.reply_len)

@@ -27,6 +27,7 @@ from tidal.plan import (
     plan_table,
     plan_to_json,
     pool_layout,
+    prefix_snapshot_interval,
     recommend_ratio,
     sglang_split,
     weight_breakdown,
@@ -57,6 +58,21 @@ def test_mla_kv_bytes_match_hand_values():
     assert mla_kv_bytes_per_token(K3) == 27_648
     assert mla_kv_bytes_per_token(KL) == 8_064
     assert mla_kv_bytes_per_token(K3, kv_dtype_bytes=1) == 13_824
+
+
+def test_snapshot_interval_is_the_pages_whose_kv_is_worth_one_state():
+    # K3, one rank: 449,372,160 B of state / (27,648 B x 16 tokens a page) = 1015.8 -> 1016 pages.
+    assert prefix_snapshot_interval(kda_state_bytes_per_request(K3), 27_648, 16) == 1016 * 16 == 16_256
+    assert prefix_snapshot_interval(K3_TP8_STATE, 27_648, 16) == 127 * 16  # TP splits the state only
+    assert prefix_snapshot_interval(442_368, 27_648, 16) == 16  # exactly one page
+    assert prefix_snapshot_interval(442_369, 27_648, 16) == 32
+    assert prefix_snapshot_interval(1, 27_648, 16) == 16  # at least a page
+    assert prefix_snapshot_interval(1000, 0, 16) == 0  # no MLA: prompt and request ends only
+    assert prefix_snapshot_interval(442_368, 27_648, 16, fraction=0.5) == 16
+    p = plan_for_pool(K3, 64 * GIB, tp_size=8)
+    assert p.prefix_snapshot_interval == 2032
+    assert plan_to_json(p)["prefix_snapshot_interval"] == 2032
+    assert "prefix snapshot interval (KV >= 1 x state)" in plan_table(p) and "2,032 tokens" in plan_table(p)
 
 
 def test_tp_splits_kda_state_but_not_mla_kv():

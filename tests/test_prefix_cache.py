@@ -15,6 +15,7 @@ would have written -- whatever it shared, copied or had remapped by compaction.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import Counter
 
@@ -29,7 +30,7 @@ from tidal.engine.request import Request, RequestOutput
 from tidal.engine.scheduler import ScheduledBatch, Scheduler
 from tidal.model.init import init_weights
 from tidal.model.kimi import KimiForCausalLM
-from tidal.plan import pool_layout
+from tidal.plan import pool_layout, prefix_snapshot_interval
 from tidal.presets import tiny_k3
 
 PAGE = 4
@@ -86,12 +87,12 @@ def test_hits_at_several_depths_are_exact(model):
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
     base = rand_tokens(rng, 30)
     cold = make_engine(model, cache=False)
-    warm = make_engine(model, budget=7)
+    warm = make_engine(model, budget=INTERVAL)
     [b] = run(warm, {"base": base}, greedy).values()
     assert b.num_cached_tokens == 0
     assert_same(b, run(cold, {"base": base}, greedy)["base"])
     reply = b.outputs[0].token_ids
-    # The base request left snapshots at 8, 16, 24 (interval), 30 (prompt end) and 35 (finish:
+    # The base request, in chunks of 8, left snapshots at 8, 16, 24 (interval), 30 (prompt end) and 35 (finish:
     # prompt + reply - 1, its last token was never computed).
     cases = {  # prompt -> the hit it must get
         "inside-first-page": (base[:13] + rand_tokens(rng, 7), 8),
@@ -167,7 +168,7 @@ def test_memory_pressure_all_complete_exact_and_flush_restores_the_pool(model):
     """12 blocks (a snapshot is a block) and 8 concurrent conversations of 3 turns: snapshots are
     evicted, requests preempted; every answer is still the cold engine's, and flushing the cache
     returns the pool to its starting state."""
-    engine = make_engine(model, blocks=12, budget=16)
+    engine = make_engine(model, blocks=12, budget=10)
     cold = make_engine(model, cache=False)
     start = engine.pool.usage()
     rng = random.Random(3)
@@ -459,3 +460,37 @@ def test_evictable_is_exact_while_a_hit_is_pinned():
     pool.free("r")
     cache.flush()
     assert pool.free_pages == pool.total_pages
+
+
+def test_a_small_interval_never_shrinks_prefill_chunks(model):
+    """Interval 8 under a budget of 20: chunks stay 20 tokens and each one, having gone 8 or more
+    past the last snapshot, ends in one -- never a chunk cut to the interval."""
+    engine = make_engine(model, budget=20)
+    chunks: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        chunks.extend(batch.query_lens)
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    prompt = rand_tokens(random.Random(5), 70)
+    run(engine, {"r": prompt}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert chunks == [20, 20, 20, 10, 1]
+    depths = sorted(n.end for n in engine.prefix_cache.nodes() if n.snapshot)
+    assert depths == [20, 40, 60, 70, 71]  # chunk ends, prompt end, finish
+
+
+def test_default_interval_is_derived_from_the_model_and_logged(model, caplog):
+    cfg = EngineConfig(page_size=PAGE, kv_cache_memory_bytes=16 * block_bytes())
+    with caplog.at_level(logging.INFO, logger="tidal.engine"):
+        engine = EngineCore(model, cfg)
+    lay = engine.layout
+    derived = prefix_snapshot_interval(lay.state_bytes, lay.page_bytes // PAGE, PAGE)
+    assert derived * lay.page_bytes // PAGE >= lay.state_bytes > (derived - PAGE) * lay.page_bytes // PAGE
+    assert engine.prefix_cache.snapshot_interval == engine.plan.prefix_snapshot_interval == derived
+    assert f"snapshot after every {derived} prefill tokens (derived" in caplog.text
+    override = EngineCore(model, EngineConfig(page_size=PAGE, kv_cache_memory_bytes=16 * block_bytes(),
+                                              prefix_snapshot_interval=24))
+    assert override.prefix_cache.snapshot_interval == 24

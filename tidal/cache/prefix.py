@@ -4,7 +4,7 @@ at chosen depths, snapshots of the KDA state -- all inside the one :class:`Memor
 Why snapshots: MLA layers cache every token, so any prefix of a cached sequence is reusable, but
 KDA layers keep only a running state. A hit can therefore resume only at a depth where the state
 was saved (``serving-engines.md`` §1.2). The engine saves it at the end of every prompt's prefill,
-every ``snapshot_interval`` tokens of a prefill (the scheduler ends chunks there), and when a
+after every ``snapshot_interval`` or more tokens of a prefill (at a chunk's end), and when a
 request finishes or is preempted (its own state block is handed to the tree, no copy).
 
 Layout. A node is an edge of the tree: ``tokens`` covering depths ``[start, end)``. It is a pool

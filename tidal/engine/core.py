@@ -27,7 +27,7 @@ from tidal.engine.runner import ModelRunner, StepLogits
 from tidal.engine.sampler import SampleRow, prompt_logprobs, sample
 from tidal.engine.scheduler import ScheduledBatch, Scheduler
 from tidal.model.kimi import KimiForCausalLM
-from tidal.plan import Plan, PoolLayout, plan_for_pool, plan_table
+from tidal.plan import SNAPSHOT_KV_FRACTION, Plan, PoolLayout, plan_for_pool, plan_table
 from tidal.sampling_params import SamplingParams
 
 logger = logging.getLogger("tidal.engine")
@@ -36,12 +36,6 @@ logger = logging.getLogger("tidal.engine")
 CPU_POOL_FRACTION = 0.2
 DEFAULT_MEM_FRACTION_STATIC = 0.9
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-# Prefix cache: a KDA state snapshot at least every this many tokens of a prefill. A multiple of
-# the KDA chunk (32) and of the usual page sizes; a lone long prompt prefills in chunks of at most
-# this many tokens, and a prefix shared by different prompts resumes at a multiple of it (the
-# snapshots at prompt and request ends are exact). 256 (SGLang's mamba_track_interval) halves
-# those chunks for little gain: the next turn of a conversation hits the previous turn's end.
-DEFAULT_PREFIX_SNAPSHOT_INTERVAL = 512
 
 
 @dataclass
@@ -57,8 +51,9 @@ class EngineConfig:
     mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC
     # Reuse the KV pages and KDA state of earlier requests' prefixes (tidal.cache.prefix).
     enable_prefix_caching: bool = True
-    # Tokens between KDA state snapshots inside a prefill (0: only at prompt and request ends).
-    prefix_snapshot_interval: int = DEFAULT_PREFIX_SNAPSHOT_INTERVAL
+    # Prefill tokens between KDA state snapshots (0: only at prompt and request ends). None: the
+    # plan's, derived from the model (tidal.plan.layout.prefix_snapshot_interval).
+    prefix_snapshot_interval: int | None = None
 
 
 def available_ram_bytes() -> int:
@@ -117,7 +112,8 @@ class EngineCore:
         self.pool = MemoryPool(self.model_config, self.layout, self.dtype, self.device)
         self.prefix_cache: PrefixCache | None = None
         if config.enable_prefix_caching:
-            self.prefix_cache = PrefixCache(self.pool, config.prefix_snapshot_interval)
+            interval = config.prefix_snapshot_interval
+            self.prefix_cache = PrefixCache(self.pool, self.plan.prefix_snapshot_interval if interval is None else interval)
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, self.prefix_cache)
         self.runner = ModelRunner(model, self.pool)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -150,8 +146,10 @@ class EngineCore:
             lay.max_requests(1), self.max_request_len,
         )
         if self.prefix_cache is not None:
-            logger.info("prefix cache: on, a KDA state snapshot every %d prefill tokens and at prompt and "
-                        "request ends (one block each, evicted LRU)", self.prefix_cache.snapshot_interval)
+            how = ("set by prefix_snapshot_interval" if self.config.prefix_snapshot_interval is not None else
+                   f"derived: their KV >= {SNAPSHOT_KV_FRACTION:g} x one {lay.state_bytes} B state block")
+            logger.info("prefix cache: on, a KDA state snapshot after every %d prefill tokens (%s) and at prompt "
+                        "and request ends (one block each, evicted LRU)", self.prefix_cache.snapshot_interval, how)
         else:
             logger.info("prefix cache: off")
         logger.info("plan:\n%s", plan_table(self.plan))

@@ -19,9 +19,10 @@ pool alone, so the oldest always progresses: no livelock, and nothing ever fails
 With a prefix cache (:mod:`tidal.cache.prefix`), admission first looks the request up: a hit
 shares the cached pages and copies the snapshot's state (or, when a second block does not fit,
 takes the snapshot out of the cache), and prefill starts after it -- never past the last token,
-whose logits are sampled, nor past a prompt-logprob position still to score. A prefill chunk ends
-at every multiple of the snapshot interval so the state there exists; the engine then snapshots
-it (:meth:`Scheduler.snapshot`). Finished and preempted requests hand their computed prefix and
+whose logits are sampled, nor past a prompt-logprob position still to score. After a prefill
+chunk that brings the request ``snapshot_interval`` or more tokens past its last snapshot (or
+its hit) the engine snapshots the state (:meth:`Scheduler.snapshot`); chunks are never cut for
+it, so a small interval never shrinks them below the step budget. Finished and preempted requests hand their computed prefix and
 state to the cache (aborted ones do not: their memory is freed at once). Cache memory is
 evictable and every capacity check counts it as free, so the guarantees above hold unchanged: a
 hit that does not fit is retried without it.
@@ -75,6 +76,7 @@ class Scheduler:
         self.prefix_queries = 0  # prompt tokens looked up at first admission
         self.prefix_hits = 0  # of those, tokens served from the cache
         self._lost: dict[str, int] = {}  # preempted request -> tokens it had computed
+        self._snapshot_at: dict[str, int] = {}  # running request -> depth of its last snapshot or hit
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -89,6 +91,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self._lost.pop(request.request_id, None)
+        self._snapshot_at.pop(request.request_id, None)
         self.pool.free(request.request_id)
 
     def finish(self, request: Request) -> None:
@@ -99,18 +102,21 @@ class Scheduler:
 
     def snapshot_due(self, request: Request, cached: int, n: int) -> bool:
         """Whether the state after this step's chunk ``[cached, cached + n)`` is to be cached: at
-        the end of a prefill (of the prompt, or a recompute) and at interval multiples inside one."""
+        the end of a prefill (of the prompt, or a recompute) and inside one once the chunk ends
+        ``snapshot_interval`` or more tokens past the last snapshot."""
         if self.prefix_cache is None:
             return False
         end = cached + n
         prefill = n > 1 or end < request.num_tokens
         interval = self.snapshot_interval
-        return prefill and (end == request.num_tokens or (interval > 0 and end % interval == 0))
+        since = end - self._snapshot_at.get(request.request_id, 0)
+        return prefill and (end == request.num_tokens or (interval > 0 and since >= interval))
 
     def snapshot(self, request: Request) -> bool:
         """Cache the running ``request``'s computed tokens with a copy of its state."""
         if self.prefix_cache is None or request.num_computed_tokens == 0:
             return False
+        self._snapshot_at[request.request_id] = request.num_computed_tokens
         return self.prefix_cache.insert(request.token_ids[: request.num_computed_tokens], request.request_id)
 
     def schedule(self) -> ScheduledBatch:
@@ -125,7 +131,7 @@ class Scheduler:
                 decodes_left -= 1
                 n = 1
             else:
-                n = self._chunk(req.num_computed_tokens, min(req.num_uncomputed, budget - decodes_left))
+                n = min(req.num_uncomputed, budget - decodes_left)
                 if n <= 0:
                     i += 1
                     continue
@@ -138,13 +144,6 @@ class Scheduler:
         if not batch.preempted:
             self._admit(batch, budget)
         return batch
-
-    def _chunk(self, start: int, n: int) -> int:
-        """End a prefill chunk at the first snapshot boundary after ``start``."""
-        interval = self.snapshot_interval
-        if interval > 0 and n > 1:
-            n = min(n, (start // interval + 1) * interval - start)
-        return n
 
     def _fit_running(self, req: Request, n: int, decode: bool, batch: ScheduledBatch) -> int:
         """Reserve pages for n new tokens of a running request, shrinking a prefill chunk or
@@ -209,7 +208,7 @@ class Scheduler:
         returns that chunk's length, 0 (nothing held) when it does not fit."""
         pool, rid, cache = self.pool, req.request_id, self.prefix_cache
         depth = hit.depth if hit is not None else 0
-        n = self._chunk(depth, min(req.num_tokens - depth, budget))
+        n = min(req.num_tokens - depth, budget)
         copy_last = hit is not None and depth % pool.page_size != 0
         need = (0 if take else pool.pages_per_block) + pool.pages_for(depth + n) + int(copy_last)
         if hit is not None:
@@ -240,6 +239,7 @@ class Scheduler:
         if not ok:  # cannot happen: available_pages is exact
             raise RuntimeError(f"admitting {rid!r}: {need} page units were available but did not fit")
         req.num_computed_tokens = depth
+        self._snapshot_at[rid] = depth
         return n
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
@@ -247,6 +247,7 @@ class Scheduler:
         self._to_cache(req)
         self.pool.free(req.request_id)
         self._lost[req.request_id] = req.num_computed_tokens
+        self._snapshot_at.pop(req.request_id, None)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.metrics.num_preemptions += 1

@@ -40,11 +40,13 @@ from tidal.plan.layout import (
     PUBLISHED_A_LOG_VALUES,
     SGLANG_DEFAULT_RATIO,
     SGLANG_DEFAULT_SLOTS_PER_REQUEST,
+    SNAPSHOT_KV_FRACTION,
     PlanError,
     PoolLayout,
     kda_state_bytes_per_request,
     mla_kv_bytes_per_token,
     pool_layout,
+    prefix_snapshot_interval,
 )
 from tidal.plan.planner import Plan, plan, plan_for_pool
 from tidal.plan.report import plan_table, plan_to_json
@@ -81,6 +83,7 @@ __all__ = [
     "SGLANG_DEFAULT_RATIO",
     "SGLANG_DEFAULT_SLOTS_PER_REQUEST",
     "SGLangSplit",
+    "SNAPSHOT_KV_FRACTION",
     "WEIGHT_KINDS",
     "WeightShare",
     "Workload",
@@ -96,6 +99,7 @@ __all__ = [
     "plan_table",
     "plan_to_json",
     "pool_layout",
+    "prefix_snapshot_interval",
     "recommend_ratio",
     "sglang_split",
     "weight_breakdown",

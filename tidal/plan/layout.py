@@ -59,6 +59,26 @@ def mla_kv_bytes_per_token(config: ModelConfig, *, kv_dtype_bytes: int = 2) -> i
     return config.num_mla_layers * config.mla_cache_width * kv_dtype_bytes
 
 
+# ---- prefix-cache snapshots ----------------------------------------------------------------------
+
+# A prefill snapshots its KDA state once the MLA KV it wrote since the last snapshot is worth this
+# fraction of one state block: the snapshots of a cached prefix then never take more of the pool
+# (nor more copy traffic) than the prefix's own KV.
+SNAPSHOT_KV_FRACTION = 1.0
+
+
+def prefix_snapshot_interval(
+    state_bytes: int, kv_bytes_per_token: int, page_size: int, fraction: float = SNAPSHOT_KV_FRACTION
+) -> int:
+    """Prefill tokens between KDA state snapshots: the fewest whole pages whose KV is worth
+    ``fraction`` x ``state_bytes`` (0 -- only at prompt and request ends -- for a model without MLA)."""
+    if kv_bytes_per_token <= 0:
+        return 0
+    page_kv = kv_bytes_per_token * page_size
+    pages = max(1, -(-int(fraction * state_bytes) // page_kv))
+    return pages * page_size
+
+
 # ---- tidal's single pool -------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ from tidal.plan.layout import (
     PoolLayout,
     _gib,
     pool_layout,
+    prefix_snapshot_interval,
 )
 from tidal.plan.sglang import (
     Parallel,
@@ -53,6 +54,7 @@ class Plan:
     pool_bytes: int
     kda_state_bytes_per_request: int
     mla_kv_bytes_per_token: int
+    prefix_snapshot_interval: int  # derived from the two above (layout.prefix_snapshot_interval)
     max_position_embeddings: int
     layout: PoolLayout
     sglang: SGLangSplit | None
@@ -208,6 +210,7 @@ def _assemble(
         pool_bytes=pool_bytes,
         kda_state_bytes_per_request=layout.state_bytes,
         mla_kv_bytes_per_token=layout.page_bytes // page_size,
+        prefix_snapshot_interval=prefix_snapshot_interval(layout.state_bytes, layout.page_bytes // page_size, page_size),
         max_position_embeddings=config.max_position_embeddings,
         layout=layout,
         sglang=split,

@@ -7,6 +7,7 @@ from typing import Any
 
 from tidal.plan.layout import (
     GIB,
+    SNAPSHOT_KV_FRACTION,
     _gib,
     _mib,
 )
@@ -46,6 +47,7 @@ def plan_to_json(p: Plan) -> dict[str, Any]:
         "pool_bytes_per_rank": p.pool_bytes,
         "kda_state_bytes_per_request_per_rank": p.kda_state_bytes_per_request,
         "mla_kv_bytes_per_token_per_rank": p.mla_kv_bytes_per_token,
+        "prefix_snapshot_interval": p.prefix_snapshot_interval,
         "kv_tokens_per_rank": p.kv_tokens_per_rank,
         "kv_tokens_logical": p.kv_tokens_logical,
         "state_slots": p.state_slots,
@@ -125,6 +127,8 @@ def plan_table(p: Plan, width: int = 100) -> str:
     m.add_row("= pool (state + KV)", _gib(p.pool_bytes))
     m.add_row("KDA state per request", f"{_mib(p.kda_state_bytes_per_request)} ({p.kda_state_bytes_per_request:,} B)")
     m.add_row("MLA KV per stored token", f"{p.mla_kv_bytes_per_token:,} B")
+    m.add_row(f"prefix snapshot interval (KV >= {SNAPSHOT_KV_FRACTION:g} x state)",
+              f"{p.prefix_snapshot_interval:,} tokens")
     console.print(m)
 
     lay = p.layout

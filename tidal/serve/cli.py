@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
                    help="same as --no-enable-prefix-caching")
     p.add_argument("--prefix-snapshot-interval", type=int, default=None,
-                   help="snapshot the KDA state every N prompt tokens for prefix hits (default: the engine's)")
+                   help="snapshot the KDA state after every N prompt tokens for prefix hits (default: derived "
+                        "from the model, the tokens whose KV is worth one state block; printed at start-up)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413")
     p.add_argument("--reasoning-alias", action="store_true",
