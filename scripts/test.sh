@@ -12,4 +12,8 @@ if .venv/bin/python -c "import triton" 2>/dev/null; then
   echo "triton is installed in .venv; removing it (CPU tests need the torch fallbacks)" >&2
   "$PIP" uninstall -y -q triton
 fi
-exec .venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest "$@"
+# A whole run (no arguments) also runs the Triton kernels' tests, in their own environment.
+if [ $# -eq 0 ]; then
+  bash scripts/test_triton.sh
+fi
