@@ -12,6 +12,17 @@ if .venv/bin/python -c "import triton" 2>/dev/null; then
   echo "triton is installed in .venv; removing it (CPU tests need the torch fallbacks)" >&2
   "$PIP" uninstall -y -q triton
 fi
+# The chat page tests drive Debian's Chromium through Playwright (never `playwright install`, which
+# downloads a browser build); without it they skip and say so.
+if ! command -v chromium >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "installing Debian's chromium for the chat page tests" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } >&2 \
+      || echo "could not install chromium: the chat page browser tests will skip" >&2
+  else
+    echo "chromium is missing and cannot be installed here (needs apt-get as root): the chat page browser tests will skip" >&2
+  fi
+fi
 .venv/bin/python -m pytest "$@"
 # A whole run (no arguments) also runs the Triton kernels' tests, in their own environment.
 if [ $# -eq 0 ]; then

@@ -47,6 +47,7 @@ from tidal.serve.errors import (
     install_error_handlers,
 )
 from tidal.serve.metrics import ServerMetrics
+from tidal.serve.ui import UI_PATHS, add_ui_routes
 
 logger = logging.getLogger("tidal.serve")
 
@@ -68,6 +69,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     reasoning_alias: bool = False
+    ui: bool = True  # the chat page at / and /chat (--no-ui turns it off)
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -194,17 +196,18 @@ class Guard:
     ``x-api-key``) and the request size limit (413), answered in the route's envelope. The body is
     read here once and handed on, so later reads of ``receive`` see the client's disconnect."""
 
-    def __init__(self, app: Any, api_key: str | None, max_bytes: int) -> None:
+    def __init__(self, app: Any, api_key: str | None, max_bytes: int, public: frozenset[str] = PUBLIC_PATHS) -> None:
         self.app = app
         self.api_key = api_key
         self.max_bytes = max_bytes
+        self.public = public
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key is not None and path not in PUBLIC_PATHS and not self._authorized(headers):
+        if self.api_key is not None and path not in self.public and not self._authorized(headers):
             err = APIError(401, "invalid or missing API key", code="invalid_api_key")
             return await _send_error(send, err, path)
         too_big = APIError(413, f"the request body is larger than {self.max_bytes} bytes")
@@ -282,7 +285,10 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="tidal", version=tidal.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.tidal = st
     install_error_handlers(app)
-    app.add_middleware(Guard, api_key=config.api_key, max_bytes=config.max_request_bytes)
+    app.add_middleware(Guard, api_key=config.api_key, max_bytes=config.max_request_bytes,
+                       public=(PUBLIC_PATHS | UI_PATHS) if config.ui else PUBLIC_PATHS)
+    if config.ui:
+        add_ui_routes(app)
     defaults = config.generation_defaults
 
     # ---- probes and admin ---------------------------------------------------------------------

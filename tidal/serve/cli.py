@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="larger request bodies get 413")
     p.add_argument("--reasoning-alias", action="store_true",
                    help="also send reasoning as `reasoning` (vLLM's newer name) next to `reasoning_content`")
+    p.add_argument("--no-ui", dest="ui", action="store_false", help="do not serve the chat page at / and /chat")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(
         served_model_names=names, model_path=str(model_dir), api_key=args.api_key,
         max_request_bytes=args.max_request_bytes, generation_defaults=generation_defaults(model_dir),
-        reasoning_alias=args.reasoning_alias,
+        reasoning_alias=args.reasoning_alias, ui=args.ui,
         info={"args": {k: v for k, v in vars(args).items() if k != "api_key"}},
     )
     app = create_app(llm.engine, config)
