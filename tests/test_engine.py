@@ -231,6 +231,60 @@ def test_llm_offline_api(tmp_path):
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[tok],
                                        min_tokens=first + 1))
     assert tok not in mt.outputs[0].token_ids[: first + 1]
+    # n > 1: one output per prompt with n completions, sample i seeded seed + i.
+    hot = SamplingParams(n=3, seed=4, temperature=1.5, max_tokens=5, ignore_eos=True)
+    [many, single] = llm.generate(["hello", "hello"], [hot, hot.for_sample(2)])
+    assert [c.index for c in many.outputs] == [0, 1, 2]
+    assert many.outputs[2].token_ids == single.outputs[0].token_ids
     with pytest.raises(RequestTooLongError):
         llm.generate(["a", {"prompt_token_ids": [1] * 5000}], greedy)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_n_samples_fork_from_the_first_samples_cached_prompt(model):
+    """n > 1: sample i is what a lone request with seed + i gives; the siblings start from the
+    first sample's cached state one token short of the prompt (prefix-cache hits), and the
+    same seed reproduces all three."""
+    from tidal.llm import _merge
+
+    prompt = [random.Random(5).randrange(1, 200) for _ in range(23)]
+    params = SamplingParams(n=3, seed=9, temperature=1.5, max_tokens=6, ignore_eos=True)
+
+    def run() -> tuple[list[list[int]], int]:
+        engine = make_engine(model)
+        ids = [f"{i}_r" for i in range(3)]
+        for i, sid in enumerate(ids):
+            engine.add_request(sid, prompt, params.for_sample(i), fork_of=ids[0] if i else None)
+        results: dict[str, RequestOutput] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        merged = _merge("r", [results[s] for s in ids])
+        assert [c.index for c in merged.outputs] == [0, 1, 2]
+        assert [results[s].num_cached_tokens for s in ids] == [0, len(prompt) - 1, len(prompt) - 1]
+        return [c.token_ids for c in merged.outputs], engine.metrics().prefix_cache_hits
+
+    samples, hits = run()
+    assert hits == 2 * (len(prompt) - 1)
+    assert len({tuple(s) for s in samples}) == 3
+    assert run()[0] == samples
+    for i, s in enumerate(samples):
+        assert alone(model, prompt, params.for_sample(i)) == s
+    greedy = SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True)
+    engine = make_engine(model)
+    engine.add_request("0_g", prompt, greedy.for_sample(0))
+    engine.add_request("1_g", prompt, greedy.for_sample(1), fork_of="0_g")
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs |= {o.request_id: o for o in engine.step() if o.finished}
+    assert outs["0_g"].outputs[0].token_ids == outs["1_g"].outputs[0].token_ids == alone(model, prompt, greedy.for_sample(0))
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(model):
+    engine = make_engine(model)
+    V = model.config.vocab_size
+    with pytest.raises(ValueError, match=rf"token id {V + 3} is outside the vocabulary of size {V}"):
+        engine.add_request("b", [1, 2], SamplingParams(logit_bias={V + 3: 1.0}))
+    with pytest.raises(ValueError, match="one sample per request"):
+        engine.add_request("n", [1, 2], SamplingParams(n=2))

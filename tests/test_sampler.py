@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tidal.engine.sampler import SampleRow, filter_logits, prompt_logprobs, sample
+from tidal.engine.sampler import SampleRow, filter_logits, process_logits, prompt_logprobs, sample
 from tidal.sampling_params import SamplingParams
 
 
@@ -124,7 +124,7 @@ def test_logprobs_and_ranks():
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(n=2), "n"),
+        (dict(n=0), "n"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(temperature=-0.1), "temperature"),
         (dict(top_p=0.0), "top_p"),
@@ -150,3 +150,81 @@ def test_param_defaults_are_vllms():
     assert (p.n, p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 16, 1.0, 1.0, -1, 0.0)
     assert SamplingParams(stop="x").stop_strings == ["x"]
     assert not SamplingParams(top_k=0).top_k_active
+
+
+# ---- penalties, logit_bias (against hand computations) -------------------------------------------
+
+def test_repetition_penalty_by_hand():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    p = SamplingParams(temperature=0, repetition_penalty=2.0)
+    # prompt [0, 1], output [1, 4]: tokens 0, 1, 4 seen; 0 positive -> /2, 1 and 4 negative -> *2
+    row = SampleRow(p, token_ids=[0, 1, 1, 4], prompt_len=2)
+    x = process_logits(logits, [row])
+    assert x[0].tolist() == [1.0, -2.0, 0.5, 3.0, -4.0, 1.0]
+
+
+def test_frequency_and_presence_penalties_by_hand():
+    logits = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0]])
+    p = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    # prompt [3] is not penalised by these two; output has token 2 three times and token 0 once
+    row = SampleRow(p, token_ids=[3, 2, 0, 2, 2], prompt_len=1)
+    x = process_logits(logits, [row])
+    assert x[0].tolist() == [1.0 - 0.5 - 0.25, 1.0, 1.0 - 1.5 - 0.25, 1.0, 1.0]
+
+
+def test_penalties_rows_are_independent_and_unpenalised_rows_untouched():
+    torch.manual_seed(3)
+    logits = torch.randn(3, 16)
+    rows = [SampleRow(SamplingParams(repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=-0.4),
+                      token_ids=[1, 2, 2, 5, 9, 9, 9], prompt_len=3),
+            SampleRow(SamplingParams()),
+            SampleRow(SamplingParams(presence_penalty=1.0), token_ids=[7, 7, 8], prompt_len=1)]
+    x = process_logits(logits, rows)
+    # float64, token by token
+    ref = logits.double().clone()
+    for t in {1, 2, 5, 9}:
+        ref[0, t] = ref[0, t] / 1.3 if ref[0, t] > 0 else ref[0, t] * 1.3
+    for t, c in {5: 1, 9: 3}.items():  # output tokens only (prompt: 1, 2, 2)
+        ref[0, t] -= 0.7 * c - 0.4
+    ref[2, 7] -= 1.0
+    ref[2, 8] -= 1.0
+    torch.testing.assert_close(x.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_logit_bias_moves_greedy_and_the_distribution():
+    logits = torch.tensor([[3.0, 1.0, 0.0, -1.0]])
+    greedy = SamplingParams(temperature=0, logit_bias={2: 3.5})  # 0 + 3.5 > 3
+    assert sample(logits, [SampleRow(greedy)])[0].token_id == 2
+    assert sample(logits, [SampleRow(SamplingParams(temperature=0, logit_bias={0: -100}))])[0].token_id == 1
+    p = SamplingParams(temperature=1.0, logit_bias={3: 2.0, 0: -1.0})
+    n = 8000
+    tokens = [r.token_id for r in sample(logits.repeat(n, 1), [SampleRow(p)] * n)]
+    expected = torch.softmax(torch.tensor([2.0, 1.0, 0.0, 1.0], dtype=torch.float64), 0).tolist()
+    for tok, prob in enumerate(expected):
+        freq = tokens.count(tok) / n
+        assert abs(freq - prob) < 4 * math.sqrt(prob * (1 - prob) / n), (tok, freq, prob)
+
+
+def test_seeded_rows_with_penalties_do_not_depend_on_the_batch():
+    torch.manual_seed(4)
+    logits = torch.randn(4, 64)
+    p = SamplingParams(temperature=1.2, frequency_penalty=0.3, logit_bias={5: 1.0}, seed=11)
+
+    def row(seed_gen: bool):
+        g = torch.Generator().manual_seed(11) if seed_gen else None
+        return SampleRow(p, g, token_ids=[1, 2, 3, 3], prompt_len=1)
+
+    alone = sample(logits[:1], [row(True)])[0].token_id
+    mixed = sample(logits, [row(True), row(False), row(False), row(False)])[0].token_id
+    assert alone == mixed
+
+
+def test_penalty_and_bias_validation():
+    with pytest.raises(ValueError, match="presence_penalty"):
+        SamplingParams(presence_penalty=2.5)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0)
+    with pytest.raises(ValueError, match="token 3"):
+        SamplingParams(logit_bias={3: 101})
+    assert SamplingParams(n=3, seed=5).for_sample(2).seed == 7
+    assert SamplingParams(n=3).for_sample(2).n == 1

@@ -72,7 +72,7 @@ def test_invalid_parameters_are_400(server, oai):
     assert openai_error(post(server, "/v1/chat/completions", {"model": MODEL}), 400)["param"] == "messages"
     openai_error(post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}), 400)
     openai_error(post(server, "/v1/chat/completions", b'{"model": "tidal-test", "messages": ['), 400)
-    openai_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "n": 2}), 400)
+    openai_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "n": 0}), 400)
     openai_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [], "max_tokens": 2}), 400)
     openai_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [10**9], "max_tokens": 2}), 400)
     err = openai_error(post(server, "/v1/chat/completions",

@@ -111,20 +111,39 @@ class LLM:
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         tokenized = [self._tokenize(p) for p in prompts]
         ids = [str(next(self._ids)) for _ in prompts]
+        samples: dict[str, list[str]] = {}  # request id -> the engine ids of its n samples
         added: list[str] = []
         try:
             for rid, (text, token_ids), sp in zip(ids, tokenized, params):
-                self.engine.add_request(rid, token_ids, sp, prompt=text)
-                added.append(rid)
+                samples[rid] = [rid] if sp.n == 1 else [f"{i}_{rid}" for i in range(sp.n)]
+                for i, sid in enumerate(samples[rid]):
+                    self.engine.add_request(sid, token_ids, sp.for_sample(i) if sp.n > 1 else sp, prompt=text,
+                                            fork_of=samples[rid][0] if i else None)
+                    added.append(sid)
         except ValueError:
-            for rid in added:
-                self.engine.abort_request(rid)
+            for sid in added:
+                self.engine.abort_request(sid)
             raise
         results: dict[str, RequestOutput] = {}
-        while len(results) < len(ids):
+        while len(results) < len(added):
             if not self.engine.has_unfinished_requests():
-                raise RuntimeError(f"the engine stopped with {len(ids) - len(results)} requests unfinished")
+                raise RuntimeError(f"the engine stopped with {len(added) - len(results)} requests unfinished")
             for out in self.engine.step():
                 if out.finished:
                     results[out.request_id] = out
-        return [results[rid] for rid in ids]
+        return [_merge(rid, [results[s] for s in samples[rid]]) for rid in ids]
+
+
+def _merge(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
+    """One output per prompt: the samples of an n > 1 request as its ``outputs`` 0..n-1."""
+    if len(outs) == 1:
+        return outs[0]
+    first = outs[0]
+    completions = []
+    for i, o in enumerate(outs):
+        c = o.outputs[0]
+        c.index = i
+        completions.append(c)
+    return RequestOutput(request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+                         prompt_logprobs=first.prompt_logprobs, outputs=completions, finished=True,
+                         metrics=first.metrics, num_cached_tokens=first.num_cached_tokens)

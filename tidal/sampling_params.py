@@ -2,7 +2,43 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate, as vLLM's ``structured_outputs``: exactly one
+    of a JSON schema (a dict or its JSON text), any JSON object, a regular expression, one of a
+    list of strings, or a grammar (Lark, or GBNF/EBNF as llama.cpp writes it). Compiled by
+    :mod:`tidal.engine.grammar` and enforced as a token mask on every step."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # JSON: no whitespace outside strings (compact, the default) or any JSON whitespace.
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("StructuredOutputsParams needs exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("StructuredOutputsParams.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
 
 
 @dataclass
@@ -13,6 +49,12 @@ class SamplingParams:
     filters off. ``logprobs`` / ``prompt_logprobs``: how many top alternatives to return per
     position (0 = only the chosen token, -1 = the whole vocabulary). ``max_tokens=None`` runs up
     to the model's context limit.
+
+    Penalties, as vLLM: ``repetition_penalty`` (> 0, 1 = off) divides the positive logits and
+    multiplies the negative ones of every token in the prompt or the output;
+    ``frequency_penalty`` subtracts ``count * value`` and ``presence_penalty`` subtracts ``value``
+    from each token already generated. ``logit_bias`` adds to a token's logit (-100..100).
+    ``n`` samples per prompt; sample ``i`` of a seeded request uses seed ``seed + i``.
     """
 
     n: int = 1
@@ -22,6 +64,10 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -30,6 +76,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -39,11 +86,14 @@ class SamplingParams:
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        if self.n != 1:
-            raise bad("n", "must be 1 (one completion per request)")
+        def is_num(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1 or None")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature < float("inf"):
+        if not is_num(self.temperature) or self.temperature < 0.0:
             raise bad("temperature", "must be a finite number >= 0")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
@@ -53,6 +103,18 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None and not is_int(self.seed):
             raise bad("seed", "must be an integer or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_num(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "must be in [-2, 2]")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            raise bad("repetition_penalty", "must be a finite number > 0")
+        if self.logit_bias:
+            for tok, bias in self.logit_bias.items():
+                if not is_int(tok) or tok < 0:
+                    raise ValueError(f"SamplingParams.logit_bias: token id {tok!r} is not an integer >= 0")
+                if not is_num(bias) or not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"SamplingParams.logit_bias: the bias of token {tok} must be in [-100, 100], "
+                                     f"got {bias!r}")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -77,3 +139,12 @@ class SamplingParams:
     @property
     def top_k_active(self) -> bool:
         return self.top_k > 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters of sample ``index`` of an ``n > 1`` request: one sample, its own seed."""
+        seed = self.seed + index if self.seed is not None else None
+        return dataclasses.replace(self, n=1, seed=seed)

@@ -16,6 +16,7 @@ import torch
 from tidal.cache.pool import MemoryPool
 from tidal.cache.prefix import PrefixCache
 from tidal.detokenizer import Detokenizer
+from tidal.engine.grammar import GrammarCompiler, PrefixConstraint
 from tidal.engine.metrics import EngineMetrics, RequestMetrics
 from tidal.engine.request import (
     Logprob,
@@ -123,6 +124,8 @@ class EngineCore:
         if isinstance(tok_eos, int) and tok_eos not in self.eos_token_ids:
             self.eos_token_ids += (tok_eos,)
         self._metrics = EngineMetrics()
+        self._grammar = None  # GrammarCompiler, built on the first constrained request
+        self._forks: dict[str, list[Request]] = {}  # n > 1: first sample's id -> siblings held back
         self._log_startup()
 
     # ---- capacity ------------------------------------------------------------------------------
@@ -163,18 +166,43 @@ class EngineCore:
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        fork_of: str | None = None,
     ) -> Request:
         """Queue a request. Raises RequestTooLongError (a ValueError) when it can never fit and
-        ValueError for other invalid input; nothing is queued then."""
+        ValueError for other invalid input; nothing is queued then.
+
+        ``fork_of``: the id of a queued request with the same prompt (another sample of one
+        ``n > 1`` request). This one waits until that one has prefilled all but the prompt's last
+        token, then starts from its cached pages and KDA state (with prefix caching on)."""
         params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("EngineCore takes one sample per request: add n requests with "
+                             "SamplingParams.for_sample(i) (LLM.generate does)")
         try:
             req = self._make_request(request_id, list(prompt_token_ids), params, prompt, arrival_time)
         except ValueError:
             self._metrics.num_requests_rejected += 1
             raise
         self.requests[request_id] = req
-        self.scheduler.add(req)
+        leader = self.requests.get(fork_of) if fork_of is not None else None
+        depth = req.num_prompt_tokens - 1
+        if (leader is not None and self.prefix_cache is not None and depth > 0 and not leader.finished
+                and leader.prompt_token_ids == req.prompt_token_ids and leader.num_computed_tokens < depth
+                and leader.fork_depth in (None, depth)):
+            leader.fork_depth = depth
+            self._forks.setdefault(leader.request_id, []).append(req)
+        else:
+            self.scheduler.add(req)
         return req
+
+    def _release_forks(self) -> None:
+        """Queue the siblings of leaders whose fork-depth state is cached (or that are gone)."""
+        for rid in list(self._forks):
+            leader = self.requests.get(rid)
+            if leader is None or leader.finished or leader.num_computed_tokens >= (leader.fork_depth or 0):
+                for req in self._forks.pop(rid):
+                    if req.request_id in self.requests:
+                        self.scheduler.add(req)
 
     def _make_request(
         self, rid: str, ids: list[int], params: SamplingParams, prompt: str | None, arrival: float | None
@@ -189,6 +217,10 @@ class EngineCore:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("SamplingParams.stop (stop strings) needs a tokenizer; use stop_token_ids")
+        out_of_vocab = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if out_of_vocab:
+            raise ValueError(f"logit_bias: token id {out_of_vocab[0]} is outside the vocabulary of size {vocab} "
+                             f"(ids 0..{vocab - 1})")
         P, limit = len(ids), self.max_request_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, limit - P)
         total = P + max_tokens
@@ -209,6 +241,11 @@ class EngineCore:
         detok = None
         if self.tokenizer is not None:
             detok = Detokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        constraint = None
+        if params.structured_outputs is not None:
+            stops = () if params.ignore_eos else self.eos_token_ids
+            constraint = self.grammar_compiler().compile(params.structured_outputs).matcher(
+                (*stops, *params.stop_token_ids))
         return Request(
             request_id=rid,
             prompt_token_ids=ids,
@@ -219,7 +256,16 @@ class EngineCore:
             generator=generator,
             detokenizer=detok,
             metrics=RequestMetrics(arrival_time=time.monotonic() if arrival is None else arrival),
+            constraint=constraint,
         )
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The llguidance compiler over this engine's tokenizer (thread safe; built once)."""
+        if self._grammar is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer")
+            self._grammar = GrammarCompiler(self.tokenizer, self.eos_token_ids, self.model_config.vocab_size)
+        return self._grammar
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages and state; returns its final output (None if
@@ -228,6 +274,7 @@ class EngineCore:
         if req is None:
             return None
         self.scheduler.remove(req)
+        self._release_forks()
         req.abort()
         req.metrics.finished_time = time.monotonic()
         self._metrics.num_requests_aborted += 1
@@ -259,12 +306,15 @@ class EngineCore:
         for req in snap:
             if not req.finished:  # a finished one handed its state to the cache already
                 self.scheduler.snapshot(req)
+        if self._forks:
+            self._release_forks()
         return outputs
 
     def _sample(self, batch: ScheduledBatch, logits: StepLogits) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         reqs = [batch.requests[b] for b in logits.sample_seqs]
-        rows = [SampleRow(r.params, r.generator, r.banned_tokens()) for r in reqs]
+        rows = [SampleRow(r.params, r.generator, r.banned_tokens(), r.token_ids, r.num_prompt_tokens, r.constraint)
+                for r in reqs]
         now = time.monotonic()
         for req, res in zip(reqs, sample(logits.sample_logits, rows)):
             if req.logprobs is not None:
@@ -273,6 +323,10 @@ class EngineCore:
                     entry.setdefault(tok, Logprob(lp, i + 1, self._piece(tok)))
                 req.logprobs.append(entry)
                 req.cumulative_logprob += res.logprob
+            if req.constraint is not None:
+                req.constraint.accept(res.token_id)
+                if isinstance(req.constraint, PrefixConstraint) and req.constraint.finished:
+                    req.constraint = None
             req.append_token(res.token_id)
             req.metrics.on_token(now)
             self._metrics.generation_tokens += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -86,6 +87,11 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
     text: str = ""
+    # What the next tokens may be (tidal.engine.grammar.TokenConstraint), None when free.
+    constraint: Any = None
+    # Set on the first sample of an n > 1 request: its prefill also ends (and the prefix cache
+    # snapshots the state) here, one token short of the prompt, so its siblings start from it.
+    fork_depth: int | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

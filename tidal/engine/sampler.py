@@ -1,7 +1,9 @@
 """Token sampling for one step, vectorised over the batch.
 
-Per row: ban tokens (min_tokens), then greedy argmax, or temperature -> top-k -> top-p -> min-p
-and a draw. The draw is ``argmax(p / q)`` with q ~ Exp(1) noise (equivalent to sampling from p);
+Per row, in vLLM's order: logit_bias, then ban tokens (the stop tokens inside min_tokens), then
+the repetition / frequency / presence penalties, then the constraint's token mask (grammar or
+token healing, :mod:`tidal.engine.grammar`); then greedy argmax, or temperature -> top-k ->
+top-p -> min-p and a draw. The draw is ``argmax(p / q)`` with q ~ Exp(1) noise (equivalent to sampling from p);
 a seeded request draws its noise from its own ``torch.Generator``, so its tokens do not depend on
 the rest of the batch. Logprobs are of the raw model distribution (log_softmax of the logits), as
 vLLM returns them by default.
@@ -9,7 +11,9 @@ vLLM returns them by default.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -18,11 +22,16 @@ from tidal.sampling_params import SamplingParams
 
 @dataclass
 class SampleRow:
-    """What the sampler needs of one request this step."""
+    """What the sampler needs of one request this step: ``token_ids`` is prompt + output so far
+    (its first ``prompt_len`` are the prompt), read only when the request has penalties;
+    ``constraint`` (a :class:`tidal.engine.grammar.TokenConstraint`) masks what may come next."""
 
     params: SamplingParams
     generator: torch.Generator | None = None
     banned: tuple[int, ...] = ()
+    token_ids: Sequence[int] = ()
+    prompt_len: int = 0
+    constraint: Any = None
 
 
 @dataclass
@@ -73,16 +82,83 @@ def _exponential_noise(shape: tuple[int, int], rows: list[SampleRow], device: to
     return q.clamp_(min=torch.finfo(torch.float32).tiny)
 
 
+def _scatter_rows(rows: list[int], cols: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat (row, column) index tensors of ``cols[j]`` in row ``rows[j]``."""
+    r = [i for i, c in zip(rows, cols) for _ in c]
+    flat = [t for c in cols for t in c]
+    return (torch.tensor(r, dtype=torch.long, device=device), torch.tensor(flat, dtype=torch.long, device=device))
+
+
+def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Repetition (prompt and output tokens), frequency and presence (output tokens) penalties,
+    in place on the rows of ``x`` [B, V] that have any."""
+    idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not idx:
+        return x
+    V, dev = x.shape[1], x.device
+    local = list(range(len(idx)))
+    outputs = [[t for t in rows[i].token_ids[rows[i].prompt_len:] if 0 <= t < V] for i in idx]
+    counts = torch.zeros(len(idx), V, dtype=torch.float32, device=dev)
+    ri, ti = _scatter_rows(local, outputs, dev)
+    counts.index_put_((ri, ti), torch.ones(len(ti), device=dev), accumulate=True)
+    sub = x[idx]
+    rep = torch.tensor([rows[i].params.repetition_penalty for i in idx], dtype=torch.float32, device=dev)[:, None]
+    if bool((rep != 1.0).any()):
+        seen = counts > 0
+        prompts = [[t for t in rows[i].token_ids[: rows[i].prompt_len] if 0 <= t < V] for i in idx]
+        ri, ti = _scatter_rows(local, prompts, dev)
+        seen[ri, ti] = True
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([rows[i].params.frequency_penalty for i in idx], dtype=torch.float32, device=dev)[:, None]
+    pres = torch.tensor([rows[i].params.presence_penalty for i in idx], dtype=torch.float32, device=dev)[:, None]
+    sub = sub - freq * counts - pres * (counts > 0).float()
+    x[idx] = sub
+    return x
+
+
+def process_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """The logits the draw sees ([B, V] float32): bias, bans, penalties and constraint masks
+    applied. A row whose constraint leaves none of its unbanned tokens keeps the constraint and
+    drops the ban (the grammar decides: a stop token it requires is allowed inside min_tokens)."""
+    B, V = logits.shape
+    dev = logits.device
+    raw = logits.float()
+    touched = any(r.params.logit_bias or r.banned or r.params.has_penalties or r.constraint is not None
+                  for r in rows)
+    if not touched:
+        return raw
+    x = raw.clone()
+    biased = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items() if t < V]
+    if biased:
+        ri, ti, bi = zip(*biased)
+        x.index_put_((torch.tensor(ri, device=dev), torch.tensor(ti, device=dev)),
+                     torch.tensor(bi, dtype=torch.float32, device=dev), accumulate=True)
+    x = apply_penalties(x, rows)
+    constrained = [i for i, r in enumerate(rows) if r.constraint is not None]
+    allowed = None
+    if constrained:
+        from tidal.engine.grammar import allowed_tokens
+
+        allowed = allowed_tokens([rows[i].constraint for i in constrained], V, dev)
+        x[constrained] = x[constrained].masked_fill(~allowed, float("-inf"))
+    banned_rows = [(i, t) for i, r in enumerate(rows) for t in r.banned if 0 <= t < V]
+    if banned_rows:
+        ban = torch.zeros(B, V, dtype=torch.bool, device=dev)
+        ri, ti = zip(*banned_rows)
+        ban[list(ri), list(ti)] = True
+        if allowed is not None:  # never ban a row's last allowed tokens
+            left = torch.ones(B, dtype=torch.bool, device=dev)
+            left[constrained] = (allowed & ~ban[constrained]).any(dim=-1)
+            ban &= left[:, None]
+        x = x.masked_fill(ban, float("-inf"))
+    return x
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleResult]:
     """One token per row of ``logits`` [B, V]."""
     B, V = logits.shape
     dev = logits.device
-    raw = logits.float()
-    banned_rows = [(i, t) for i, r in enumerate(rows) for t in r.banned if 0 <= t < V]
-    if banned_rows:
-        raw = raw.clone()
-        ri, ti = zip(*banned_rows)
-        raw[list(ri), list(ti)] = float("-inf")
+    raw = process_logits(logits, rows)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
     tokens = torch.empty(B, dtype=torch.long, device=dev)

@@ -110,7 +110,8 @@ class Scheduler:
         prefill = n > 1 or end < request.num_tokens
         interval = self.snapshot_interval
         since = end - self._snapshot_at.get(request.request_id, 0)
-        return prefill and (end == request.num_tokens or (interval > 0 and since >= interval))
+        return prefill and (end == request.num_tokens or end == request.fork_depth
+                            or (interval > 0 and since >= interval))
 
     def snapshot(self, request: Request) -> bool:
         """Cache the running ``request``'s computed tokens with a copy of its state."""
@@ -131,7 +132,7 @@ class Scheduler:
                 decodes_left -= 1
                 n = 1
             else:
-                n = min(req.num_uncomputed, budget - decodes_left)
+                n = self._chunk(req, req.num_computed_tokens, min(req.num_uncomputed, budget - decodes_left))
                 if n <= 0:
                     i += 1
                     continue
@@ -144,6 +145,14 @@ class Scheduler:
         if not batch.preempted:
             self._admit(batch, budget)
         return batch
+
+    def _chunk(self, req: Request, start: int, n: int) -> int:
+        """A prefill chunk of ``n`` tokens from ``start``, ended at the request's fork depth when
+        it crosses it (the state there is snapshotted for the request's siblings)."""
+        fork = req.fork_depth
+        if self.prefix_cache is not None and fork is not None and start < fork < start + n:
+            n = fork - start
+        return n
 
     def _fit_running(self, req: Request, n: int, decode: bool, batch: ScheduledBatch) -> int:
         """Reserve pages for n new tokens of a running request, shrinking a prefill chunk or
@@ -208,7 +217,7 @@ class Scheduler:
         returns that chunk's length, 0 (nothing held) when it does not fit."""
         pool, rid, cache = self.pool, req.request_id, self.prefix_cache
         depth = hit.depth if hit is not None else 0
-        n = min(req.num_tokens - depth, budget)
+        n = self._chunk(req, depth, min(req.num_tokens - depth, budget))
         copy_last = hit is not None and depth % pool.page_size != 0
         need = (0 if take else pool.pages_per_block) + pool.pages_for(depth + n) + int(copy_last)
         if hit is not None:

@@ -38,6 +38,7 @@ from tidal.serve.engine_client import (
     EngineRequest,
     RequestStream,
     TokenDelta,
+    sample_requests,
 )
 from tidal.serve.errors import (
     APIError,
@@ -388,17 +389,19 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
         params = body.sampling_params(body.max_output_tokens, body.num_logprobs, defaults, skip_special_tokens=False)
         params.stop_token_ids = [*params.stop_token_ids, *st.chat_stop_ids(params.ignore_eos)]
         rid = oai.new_id("chatcmpl")
-        stream = await st.submit([EngineRequest(rid, ids, params)])
+        samples = sample_requests(rid, ids, params)
+        stream = await st.submit(samples)
         opts = oai.ChatOptions(
             id=rid, model=body.model, created=oai.now(), num_logprobs=body.num_logprobs,
             include_usage=body.include_usage, continuous_usage=body.continuous_usage,
             include_reasoning=body.include_reasoning, reasoning_alias=config.reasoning_alias,
             token_bytes=getattr(st.tokenizer, "token_bytes", None),
         )
-        acc = oai.ChatAccumulator(st.chat.parser(prompt.thinking), opts)
+        accs = {r.request_id: oai.ChatAccumulator(st.chat.parser(prompt.thinking), opts, i)
+                for i, r in enumerate(samples)}
         if body.stream:
-            return sse_response(oai.framed(oai.chat_stream(stream, acc), stream))
-        return oai.chat_response(await collect(request, stream), acc)
+            return sse_response(oai.framed(oai.chat_stream(stream, accs), stream))
+        return oai.chat_response(await collect(request, stream), accs)
 
     @app.post("/v1/completions")
     async def completions(body: proto.CompletionRequest, request: Request) -> Any:
@@ -416,14 +419,15 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
                 text = st.tokenizer.decode(ids)
             prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
             params = body.sampling_params(body.max_tokens, body.logprobs, defaults, prompt_logprobs=prompt_lp)
-            requests.append(EngineRequest(f"{cid}-{i}", ids, params, prompt=text))
-            echo.append((text or "") if body.echo else None)
-            prompt_ids.append(ids)
+            for r in sample_requests(f"{cid}-{i}", ids, params, prompt=text):
+                requests.append(r)
+                echo.append((text or "") if body.echo else None)
+                prompt_ids.append(ids)
         stream = await st.submit(requests)
         opts = oai.CompletionOptions(
             id=cid, model=body.model, created=oai.now(), index_of={r.request_id: i for i, r in enumerate(requests)},
             echo_text=echo, prompt_ids=prompt_ids, num_logprobs=body.logprobs, include_usage=body.include_usage,
-            continuous_usage=body.continuous_usage,
+            continuous_usage=body.continuous_usage, n=body.n,
         )
         piece = (lambda t: st.tokenizer.decode([t])) if st.tokenizer is not None else (lambda t: f"token_id:{t}")
         acc = oai.CompletionAccumulator(opts, piece)

@@ -38,6 +38,18 @@ class EngineRequest:
     params: SamplingParams
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    fork_of: str | None = None  # another sample of the same prompt (EngineCore.add_request)
+
+
+def sample_requests(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> list[EngineRequest]:
+    """The engine requests of one prompt: itself, or its ``params.n`` samples (ids ``{i}_{id}``,
+    seeds ``seed + i``), the later ones forking from the first's prefill."""
+    if params.n == 1:
+        return [EngineRequest(request_id, prompt_token_ids, params, prompt)]
+    ids = [f"{i}_{request_id}" for i in range(params.n)]
+    return [EngineRequest(sid, prompt_token_ids, params.for_sample(i), prompt, fork_of=ids[0] if i else None)
+            for i, sid in enumerate(ids)]
 
 
 @dataclass
@@ -280,7 +292,7 @@ class EngineClient:
                 if self.dead is not None:
                     raise EngineError(f"the engine is not running: {self.dead}")
                 self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, prompt=r.prompt,
-                                        arrival_time=r.arrival_time)
+                                        arrival_time=r.arrival_time, fork_of=r.fork_of)
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
                 fut.set_exception(e)
                 return

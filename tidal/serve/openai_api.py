@@ -101,10 +101,11 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] |
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any] | None, *,
                finish_reason: str | None = None, stop_reason: int | str | None = None,
-               logprobs: dict[str, Any] | None = None, usage_: dict[str, Any] | None = None) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None, usage_: dict[str, Any] | None = None,
+               index: int = 0) -> dict[str, Any]:
     """One ``chat.completion.chunk``; ``delta=None`` makes the usage-only chunk (``choices: []``)."""
     choices = [] if delta is None else [{
-        "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+        "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
         "stop_reason": stop_reason,
     }]
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -161,9 +162,10 @@ class ChatAccumulator:
     OpenAI delta for that token (None while a marker is still unresolved or the token completed
     no text) with the logprobs of every token since the last delta; it also keeps the counts."""
 
-    def __init__(self, parser: ReplyParser, opts: ChatOptions) -> None:
+    def __init__(self, parser: ReplyParser, opts: ChatOptions, index: int = 0) -> None:
         self.parser = parser
         self.opts = opts
+        self.index = index  # the choice (sample) this accumulator builds
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.reasoning_tokens = 0
@@ -250,42 +252,54 @@ async def framed(body: AsyncIterator[str], stream: RequestStream) -> AsyncIterat
     yield SSE_DONE
 
 
-async def chat_stream(stream: RequestStream, acc: ChatAccumulator) -> AsyncIterator[str]:
-    """SSE chunks of a chat completion: a role delta, then one chunk per token that completed text
-    (the last one carrying finish_reason), then the usage-only chunk when asked for."""
-    o = acc.opts
+def chat_usage(accs: list[ChatAccumulator]) -> dict[str, Any]:
+    """Usage of all choices: the prompt once, the completions summed (OpenAI's n > 1)."""
+    first = accs[0]
+    return usage(first.prompt_tokens, sum(a.completion_tokens for a in accs),
+                 sum(a.reasoning_tokens for a in accs), first.cached_tokens)
 
-    def chunk(delta: dict[str, Any], **kw: Any) -> str:
-        c = chat_chunk(o.id, o.created, o.model, delta, **kw)
+
+async def chat_stream(stream: RequestStream, accs: dict[str, ChatAccumulator]) -> AsyncIterator[str]:
+    """SSE chunks of a chat completion (``accs``: engine request id -> its choice): a role delta
+    per choice, then one chunk per token that completed text (the last one of a choice carrying
+    its finish_reason), then the usage-only chunk when asked for."""
+    choices = list(accs.values())
+    o = choices[0].opts
+
+    def chunk(acc: ChatAccumulator, delta: dict[str, Any], **kw: Any) -> str:
+        c = chat_chunk(o.id, o.created, o.model, delta, index=acc.index, **kw)
         if o.continuous_usage:
-            c["usage"] = acc.usage()
+            c["usage"] = chat_usage(choices)
         return sse_data(c)
 
-    yield chunk({"role": "assistant", "content": ""})
+    for acc in choices:
+        yield chunk(acc, {"role": "assistant", "content": ""})
     async for d in stream:
+        acc = accs[d.request_id]
         delta, logprobs = acc.step(d)
         if delta is None:
             continue
         if d.finished:
-            yield chunk(delta, logprobs=logprobs, finish_reason=acc.finish_reason, stop_reason=acc.stop_reason)
+            yield chunk(acc, delta, logprobs=logprobs, finish_reason=acc.finish_reason, stop_reason=acc.stop_reason)
         else:
-            yield chunk(delta, logprobs=logprobs)
+            yield chunk(acc, delta, logprobs=logprobs)
     if o.include_usage:
-        yield sse_data(chat_chunk(o.id, o.created, o.model, None, usage_=acc.usage()))
+        yield sse_data(chat_chunk(o.id, o.created, o.model, None, usage_=chat_usage(choices)))
 
 
-def chat_response(deltas: list[TokenDelta], acc: ChatAccumulator) -> dict[str, Any]:
+def chat_response(deltas: list[TokenDelta], accs: dict[str, ChatAccumulator]) -> dict[str, Any]:
     for d in deltas:
-        acc.step(d)
-    o = acc.opts
+        accs[d.request_id].step(d)
+    choices = sorted(accs.values(), key=lambda a: a.index)
+    o = choices[0].opts
     return {
         "id": o.id, "object": "chat.completion", "created": o.created, "model": o.model,
         "choices": [{
-            "index": 0, "message": acc.message(),
+            "index": acc.index, "message": acc.message(),
             "logprobs": {"content": acc.all_logprobs} if o.num_logprobs is not None else None,
             "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
-        }],
-        "usage": acc.usage(),
+        } for acc in choices],
+        "usage": chat_usage(choices),
     }
 
 
@@ -302,6 +316,7 @@ class CompletionOptions:
     num_logprobs: int | None = None
     include_usage: bool = False
     continuous_usage: bool = False
+    n: int = 1  # samples per prompt: choice i is sample i % n of prompt i // n
 
 
 class CompletionAccumulator:
@@ -357,7 +372,9 @@ class CompletionAccumulator:
         return i, text, logprobs
 
     def usage(self) -> dict[str, Any]:
-        return usage(sum(self.prompt_tokens), sum(self.completion_tokens), cached_tokens=sum(self.cached_tokens))
+        """Each prompt counted once, however many samples it has."""
+        n = self.opts.n
+        return usage(sum(self.prompt_tokens[::n]), sum(self.completion_tokens), cached_tokens=sum(self.cached_tokens[::n]))
 
 
 async def completion_stream(stream: RequestStream, acc: CompletionAccumulator) -> AsyncIterator[str]:

@@ -2,9 +2,7 @@
 to :class:`SamplingParams`.
 
 Requests are validated by pydantic (errors become 400s). Unknown fields are ignored, as
-OpenAI-compatible servers do; known fields the engine cannot honour (penalties, logit bias, n > 1)
-are rejected rather than ignored. ``tool_choice`` and ``response_format`` become system
-instructions in the prompt (the chat formats render them); the engine has no constrained decoding.
+OpenAI-compatible servers do; known fields the engine cannot honour are rejected rather than ignored.
 """
 
 from __future__ import annotations
@@ -95,13 +93,19 @@ class _SamplingFields(_Model):
     user: str | None = None
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise bad_request("n > 1 is not supported; send one request per completion", "n")
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            if getattr(self, name) not in (None, neutral):
-                raise bad_request(f"{name} is not supported (only {neutral})", name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+        pass
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """``logit_bias`` with its keys (token ids as JSON strings) as ints."""
+        if not self.logit_bias:
+            return None
+        out: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                out[int(key)] = bias
+            except ValueError:
+                raise bad_request(f"logit_bias keys are token ids, got {key!r}", "logit_bias") from None
+        return out
 
     @property
     def include_usage(self) -> bool:
@@ -123,12 +127,17 @@ class _SamplingFields(_Model):
 
         try:
             return SamplingParams(
+                n=self.n,
                 max_tokens=max_tokens,
                 temperature=float(pick("temperature", 1.0)),
                 top_p=float(pick("top_p", 1.0)),
                 top_k=int(pick("top_k", -1)),
                 min_p=float(pick("min_p", 0.0)),
                 seed=self.seed,
+                presence_penalty=float(pick("presence_penalty", 0.0)),
+                frequency_penalty=float(pick("frequency_penalty", 0.0)),
+                repetition_penalty=float(pick("repetition_penalty", 1.0)),
+                logit_bias=self.logit_bias_ids(),
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,

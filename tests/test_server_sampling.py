@@ -1,0 +1,66 @@
+"""Sampling extras through the official SDK against the live server: n > 1 (seeded, streamed and
+not), logit_bias, penalties, and their errors. The sampler's arithmetic is checked against hand
+computations in test_sampler.py; here the wiring."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from live_server import MODEL
+from test_server import claude, oai, server, tok  # noqa: F401 - shared fixtures
+
+HOT = {"temperature": 1.5, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+
+
+def test_chat_n3_seeded_samples_differ_and_reproduce(oai):
+    kw = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "n": 3, "seed": 5, **HOT}
+    a = oai.chat.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    texts = [(c.message.reasoning_content or "") + (c.message.content or "") for c in a.choices]
+    assert len(set(texts)) == 3
+    b = oai.chat.completions.create(**kw)
+    assert [(c.message.reasoning_content or "") + (c.message.content or "") for c in b.choices] == texts
+    assert a.usage.completion_tokens == 3 * 8
+    one = oai.chat.completions.create(**{**kw, "n": 1, "seed": 7})  # sample 2 is seeded seed + 2
+    assert (one.choices[0].message.reasoning_content or "") + (one.choices[0].message.content or "") == texts[2]
+    streamed = ["", "", ""]
+    for chunk in oai.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            d = c.delta
+            streamed[c.index] += (getattr(d, "reasoning_content", None) or "") + (d.content or "")
+    assert streamed == texts
+
+
+def test_completions_n_with_several_prompts(oai):
+    r = oai.completions.create(model=MODEL, prompt=["def f(", "import"], n=2, seed=3, **HOT)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text != r.choices[1].text
+    alone = oai.completions.create(model=MODEL, prompt="import", seed=4, **HOT)
+    assert alone.choices[0].text == r.choices[3].text
+    assert r.usage.completion_tokens == 4 * 8
+    single = oai.completions.create(model=MODEL, prompt=["def f(", "import"], seed=3, **HOT)
+    assert r.usage.prompt_tokens == single.usage.prompt_tokens  # each prompt counted once
+
+
+def test_logit_bias_forces_a_token(oai, tok):
+    [t] = tok.encode(" the")
+    r = oai.completions.create(model=MODEL, prompt="x = 1", max_tokens=4, temperature=0, logit_bias={str(t): 100},
+                               extra_body={"ignore_eos": True})
+    assert r.choices[0].text == " the" * 4
+
+
+def test_penalties_are_accepted(oai):
+    r = oai.completions.create(model=MODEL, prompt="a a a a", max_tokens=6, temperature=0, presence_penalty=1.5,
+                               frequency_penalty=1.0, extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
+    assert r.usage.completion_tokens == 6
+
+
+def test_logit_bias_outside_the_vocabulary_is_a_400(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=2, logit_bias={"9000": 5})
+    assert "token id 9000" in str(e.value) and "8192" in str(e.value)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        oai.completions.create(model=MODEL, prompt="x", max_tokens=2, presence_penalty=3)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                    logit_bias={"abc": 1})
