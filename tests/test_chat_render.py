@@ -195,8 +195,10 @@ def test_k2_defaults_and_thinking_off():
         "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
         "<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>"
     )
-    with pytest.raises(ValueError, match="image"):
-        K2Format().render([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    # K2.5's image text (vision.md §4); the engine refuses images for a model without a tower
+    out = K2Format().render([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert "<|im_user|>user<|im_middle|><|media_begin|>image<|media_content|><|media_pad|><|media_end|><|im_end|>" in out.text
+    assert out.images == [{"type": "image_url", "image_url": {"url": "x"}}] and not out.image_size_in_header
 
 
 def test_chooser_and_stop_tokens(tmp_path):

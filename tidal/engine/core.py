@@ -19,6 +19,7 @@ from tidal.detokenizer import Detokenizer
 from tidal.engine.grammar import GrammarCompiler, PrefixConstraint
 from tidal.engine.metrics import EngineMetrics, RequestMetrics
 from tidal.engine.request import (
+    ImageItem,
     Logprob,
     Request,
     RequestOutput,
@@ -28,6 +29,7 @@ from tidal.engine.runner import ModelRunner, StepLogits
 from tidal.engine.sampler import SampleRow, prompt_logprobs, sample
 from tidal.engine.scheduler import ScheduledBatch, Scheduler
 from tidal.model.kimi import KimiForCausalLM
+from tidal.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BYTES, EncoderCache
 from tidal.plan import SNAPSHOT_KV_FRACTION, Plan, PoolLayout, plan_for_pool, plan_table
 from tidal.sampling_params import SamplingParams
 
@@ -55,6 +57,8 @@ class EngineConfig:
     # Prefill tokens between KDA state snapshots (0: only at prompt and request ends). None: the
     # plan's, derived from the model (tidal.plan.layout.prefix_snapshot_interval).
     prefix_snapshot_interval: int | None = None
+    # Vision models: bytes of tower outputs kept by image hash (taken from the default pool budget).
+    encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES
 
 
 def available_ram_bytes() -> int:
@@ -101,10 +105,15 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.dtype = model.dtype
+        self.encoder_cache: EncoderCache | None = None
+        if model.has_vision:
+            self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
         if config.kv_cache_memory_bytes is not None:
             pool_bytes = int(config.kv_cache_memory_bytes)
         else:
             pool_bytes = default_pool_bytes(model, self.device, config.mem_fraction_static)
+            if self.encoder_cache is not None:
+                pool_bytes -= config.encoder_cache_bytes
         # The planner's functions size the pool: what `tidal plan` prints is what the engine does.
         self.plan: Plan = plan_for_pool(
             self.model_config, pool_bytes, model_bytes(model), page_size=config.page_size, dtype=self.dtype
@@ -116,7 +125,8 @@ class EngineCore:
             interval = config.prefix_snapshot_interval
             self.prefix_cache = PrefixCache(self.pool, self.plan.prefix_snapshot_interval if interval is None else interval)
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, self.prefix_cache)
-        self.runner = ModelRunner(model, self.pool)
+        self.runner = ModelRunner(model, self.pool, self.encoder_cache)
+        self.media_pad_id = self._media_pad_id(tokenizer)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
@@ -127,6 +137,17 @@ class EngineCore:
         self._grammar = None  # GrammarCompiler, built on the first constrained request
         self._forks: dict[str, list[Request]] = {}  # n > 1: first sample's id -> siblings held back
         self._log_startup()
+
+    def _media_pad_id(self, tokenizer: object | None) -> int | None:
+        """The placeholder id images replace: the tokenizer's <|media_pad|>, which wins over a
+        disagreeing config media_placeholder_token_id (as vLLM's K3 processor does)."""
+        configured = self.model_config.media_placeholder_token_id
+        special = getattr(tokenizer, "special_tokens", None) or {}
+        pad = special.get("<|media_pad|>")
+        if pad is not None and configured is not None and pad != configured and self.model.has_vision:
+            logger.warning("config media_placeholder_token_id %d differs from the tokenizer's <|media_pad|> %d: "
+                           "using %d", configured, pad, pad)
+        return pad if pad is not None else configured
 
     # ---- capacity ------------------------------------------------------------------------------
     @property
@@ -167,19 +188,26 @@ class EngineCore:
         prompt: str | None = None,
         arrival_time: float | None = None,
         fork_of: str | None = None,
+        images: list[ImageItem] | None = None,
     ) -> Request:
         """Queue a request. Raises RequestTooLongError (a ValueError) when it can never fit and
         ValueError for other invalid input; nothing is queued then.
 
         ``fork_of``: the id of a queued request with the same prompt (another sample of one
         ``n > 1`` request). This one waits until that one has prefilled all but the prompt's last
-        token, then starts from its cached pages and KDA state (with prefix caching on)."""
+        token, then starts from its cached pages and KDA state (with prefix caching on).
+
+        ``images``: where each image's placeholder tokens (``media_pad_id``) sit in the prompt,
+        with its pixels."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("EngineCore takes one sample per request: add n requests with "
                              "SamplingParams.for_sample(i) (LLM.generate does)")
         try:
             req = self._make_request(request_id, list(prompt_token_ids), params, prompt, arrival_time)
+            if images:
+                self._check_images(req, list(images))
+                req.images = sorted(images, key=lambda item: item.offset)
         except ValueError:
             self._metrics.num_requests_rejected += 1
             raise
@@ -188,6 +216,7 @@ class EngineCore:
         depth = req.num_prompt_tokens - 1
         if (leader is not None and self.prefix_cache is not None and depth > 0 and not leader.finished
                 and leader.prompt_token_ids == req.prompt_token_ids and leader.num_computed_tokens < depth
+                and [i.key for i in leader.images] == [i.key for i in req.images]
                 and leader.fork_depth in (None, depth)):
             leader.fork_depth = depth
             self._forks.setdefault(leader.request_id, []).append(req)
@@ -266,6 +295,19 @@ class EngineCore:
                 raise ValueError("structured outputs need a tokenizer")
             self._grammar = GrammarCompiler(self.tokenizer, self.eos_token_ids, self.model_config.vocab_size)
         return self._grammar
+
+    def _check_images(self, req: Request, images: list[ImageItem]) -> None:
+        if not self.model.has_vision:
+            raise ValueError("this model takes no images")
+        pad, ids = self.media_pad_id, req.prompt_token_ids
+        end = 0
+        for item in sorted(images, key=lambda i: i.offset):
+            if item.offset < end or item.end > len(ids) or item.length < 1:
+                raise ValueError(f"image span [{item.offset}, {item.end}) overlaps another or leaves the prompt "
+                                 f"({len(ids)} tokens)")
+            if any(t != pad for t in ids[item.offset : item.end]):
+                raise ValueError(f"image span [{item.offset}, {item.end}) is not all placeholder tokens ({pad})")
+            end = item.end
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages and state; returns its final output (None if

@@ -58,6 +58,29 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
 
 
+@dataclass(frozen=True)
+class ImageItem:
+    """One image of a prompt: its placeholder tokens start at ``offset``; ``image`` is the
+    preprocessed input (``tidal.multimodal.ImageInput``: patches, grid, num_tokens, hash)."""
+
+    offset: int
+    image: Any
+
+    @property
+    def length(self) -> int:
+        return self.image.num_tokens
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    @property
+    def key(self) -> int:
+        """The prefix cache's stand-in for this image's placeholder ids: negative, so it never
+        equals a token id, and different for different pixels."""
+        return -1 - int(self.image.hash[:15], 16)
+
+
 @dataclass
 class Request:
     """One request: its tokens, how far the cache has computed them, and what it has produced.
@@ -92,6 +115,8 @@ class Request:
     # Set on the first sample of an n > 1 request: its prefill also ends (and the prefix cache
     # snapshots the state) here, one token short of the prompt, so its siblings start from it.
     fork_depth: int | None = None
+    images: list[ImageItem] = field(default_factory=list)
+    _prompt_key: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -123,6 +148,20 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def cache_key(self, k: int | None = None) -> list[int]:
+        """The first ``k`` (default all) tokens as the prefix cache keys them: the token ids, with
+        each image's placeholders replaced by that image's key (the same placeholder ids with
+        different pixels must never share cached KV)."""
+        if not self.images:
+            return self.token_ids if k is None else self.token_ids[:k]
+        if self._prompt_key is None:
+            key = list(self.prompt_token_ids)
+            for item in self.images:
+                key[item.offset : item.end] = [item.key] * item.length
+            self._prompt_key = key
+        full = self._prompt_key + self.token_ids[len(self._prompt_key):]
+        return full if k is None else full[:k]
 
     def banned_tokens(self) -> tuple[int, ...]:
         """Tokens that may not be sampled now: the stop tokens until ``min_tokens`` are out."""

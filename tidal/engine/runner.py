@@ -9,7 +9,9 @@ import torch
 from tidal.cache.pool import MemoryPool, PoolCacheView
 from tidal.engine.scheduler import ScheduledBatch
 from tidal.model.context import ForwardBatch
+from tidal.engine.request import ImageItem, Request
 from tidal.model.kimi import KimiForCausalLM
+from tidal.multimodal.encoder_cache import EncoderCache
 
 
 @dataclass
@@ -23,9 +25,10 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: KimiForCausalLM, pool: MemoryPool) -> None:
+    def __init__(self, model: KimiForCausalLM, pool: MemoryPool, encoder_cache: EncoderCache | None = None) -> None:
         self.model = model
         self.pool = pool
+        self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCache(0)
         self.device = next(model.parameters()).device
         model.process_weights_after_loading()
 
@@ -46,7 +49,8 @@ class ModelRunner:
             ids.extend(req.token_ids[c : c + n])
         cache = PoolCacheView(self.pool, [r.request_id for r in reqs], query_lens, cached_lens)
         fb = ForwardBatch(query_lens=query_lens, cached_lens=cached_lens, cache=cache)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), fb)
+        images = self._image_embeds(reqs, query_lens, cached_lens, fb)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), fb, images)
 
         out = StepLogits()
         rows: list[int] = []
@@ -68,3 +72,31 @@ class ModelRunner:
         for b, positions, start in prompt_rows:
             out.prompt[b] = (positions, logits[start : start + len(positions)])
         return out
+
+    def image_embeds(self, item: ImageItem) -> torch.Tensor:
+        """One image's placeholder embeddings [num_tokens, hidden]: the tower runs once per image
+        hash while the encoder cache keeps it."""
+        def encode() -> torch.Tensor:
+            patches = item.image.patches.to(self.device)
+            return self.model.embed_image(patches, item.image.grid)
+
+        return self.encoder_cache.get_or_compute(item.image.hash, encode)
+
+    def _image_embeds(self, reqs: list[Request], query_lens: list[int], cached_lens: list[int],
+                      fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(positions in the flat run, embeddings) of the image placeholders this step computes:
+        each chunk takes the rows of its part of an image's span, so a chunk boundary anywhere
+        inside an image gives the same embeddings as one chunk."""
+        positions: list[int] = []
+        parts: list[torch.Tensor] = []
+        for i, (req, n, c) in enumerate(zip(reqs, query_lens, cached_lens)):
+            for item in req.images:
+                lo, hi = max(c, item.offset), min(c + n, item.end)
+                if lo >= hi:
+                    continue
+                parts.append(self.image_embeds(item)[lo - item.offset : hi - item.offset])
+                start = fb.cu_seqlens[i] + lo - c
+                positions.extend(range(start, start + hi - lo))
+        if not parts:
+            return None
+        return torch.tensor(positions, dtype=torch.long, device=self.device), torch.cat(parts)

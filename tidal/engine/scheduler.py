@@ -118,7 +118,7 @@ class Scheduler:
         if self.prefix_cache is None or request.num_computed_tokens == 0:
             return False
         self._snapshot_at[request.request_id] = request.num_computed_tokens
-        return self.prefix_cache.insert(request.token_ids[: request.num_computed_tokens], request.request_id)
+        return self.prefix_cache.insert(request.cache_key(request.num_computed_tokens), request.request_id)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -209,7 +209,7 @@ class Scheduler:
             limit = min(limit, len(req.prompt_logprobs) - 1)
         if limit <= 0:
             return None
-        return self.prefix_cache.match(req.token_ids, limit)
+        return self.prefix_cache.match(req.cache_key(), limit)
 
     def _start(self, req: Request, hit: PrefixHit | None, budget: int, take: bool = False) -> int:
         """Give a waiting request its state (zeros, or the hit's snapshot: copied, or taken from
@@ -268,7 +268,7 @@ class Scheduler:
         """Hand a leaving request's computed prefix and state block to the prefix cache."""
         k = req.num_computed_tokens
         if self.prefix_cache is not None and k > 0 and self.pool.has_state(req.request_id):
-            self.prefix_cache.insert(req.token_ids[:k], req.request_id, move_state=True)
+            self.prefix_cache.insert(req.cache_key(k), req.request_id, move_state=True)
 
     @staticmethod
     def _add(batch: ScheduledBatch, req: Request, n: int) -> None:

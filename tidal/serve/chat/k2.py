@@ -19,11 +19,12 @@ from tidal.serve.chat.messages import (
     Message,
     call_function,
     call_name,
+    content_parts,
     content_text,
     reasoning_of,
     role_of,
 )
-from tidal.serve.chat.prompt import RenderedPrompt, RenderOptions
+from tidal.serve.chat.prompt import MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD, RenderedPrompt, RenderOptions
 
 IM_USER, IM_ASSISTANT, IM_SYSTEM = "<|im_user|>", "<|im_assistant|>", "<|im_system|>"
 IM_MIDDLE, IM_END = "<|im_middle|>", "<|im_end|>"
@@ -31,6 +32,8 @@ SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_secti
 CALL_BEGIN, ARG_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 EOS = "[EOS]"
+# K2.5's image text (vision.md §4), expanded to one pad per merged patch when encoded.
+K25_IMAGE_TEXT = f"{MEDIA_BEGIN}image{MEDIA_CONTENT}{MEDIA_PAD}{MEDIA_END}"
 
 K2_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 KIMI_LINEAR_DEFAULT_SYSTEM = "You are a helpful assistant"
@@ -54,9 +57,9 @@ class _Writer:
         self.out.add_text(name)
         self.marker(IM_MIDDLE)
 
-    def turn(self, role_token: str, name: str, body: str) -> None:
+    def turn(self, role_token: str, name: str, body: str | list) -> None:
         self.header(role_token, name)
-        self.out.add_text(body)
+        self.out.add_content(body, K25_IMAGE_TEXT)
         self.marker(IM_END)
 
 
@@ -89,7 +92,7 @@ def render_k2(
     for msg in messages:
         role = role_of(msg)
         if role in ("system", "user"):
-            w.turn(_ROLE_TOKEN[role], msg.get("name") or role, content_text(msg.get("content")))
+            w.turn(_ROLE_TOKEN[role], msg.get("name") or role, content_parts(msg.get("content")))
         elif role == "assistant":
             w.header(IM_ASSISTANT, msg.get("name") or "assistant")
             reasoning = reasoning_of(msg)

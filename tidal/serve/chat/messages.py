@@ -25,7 +25,7 @@ def content_text(content: Any, image_text: str | None = None) -> str:
             out.append(part)
             continue
         kind = part.get("type")
-        if kind in _IMAGE_PARTS or (kind is None and ("image_url" in part or "image" in part)):
+        if is_image_part(part):
             if image_text is None:
                 raise ValueError("this chat format does not take image content")
             out.append(image_text)
@@ -34,6 +34,30 @@ def content_text(content: Any, image_text: str | None = None) -> str:
         else:
             raise ValueError(f"unsupported content part type {kind!r}")
     return "".join(out)
+
+
+def is_image_part(part: Any) -> bool:
+    if not isinstance(part, dict):
+        return False
+    kind = part.get("type")
+    return kind in _IMAGE_PARTS or (kind is None and ("image_url" in part or "image" in part))
+
+
+def content_parts(content: Any) -> list[str | dict[str, Any]]:
+    """A message's content as text runs and image parts, in order (text parts merged)."""
+    if not isinstance(content, list):
+        return [content_text(content)]
+    out: list[str | dict[str, Any]] = []
+    for part in content:
+        if is_image_part(part):
+            out.append(part)
+        else:
+            text = content_text([part])
+            if out and isinstance(out[-1], str):
+                out[-1] += text
+            else:
+                out.append(text)
+    return out
 
 
 def role_of(msg: Message) -> str:

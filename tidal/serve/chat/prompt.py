@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+# Media tokens (vision.md §4): an image becomes BEGIN "image[ WxH]" CONTENT PAD x N END, one PAD
+# per merged patch, each replaced by that patch's embedding.
+MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD = "<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>"
+
 
 class SegmentTokenizer(Protocol):
     special_tokens: dict[str, int]
@@ -32,6 +36,22 @@ class RenderOptions:
 class Segment:
     text: str
     special: bool = False
+    image: dict[str, Any] | None = field(default=None, compare=False)  # the content part of an image
+
+
+class ImageLike(Protocol):
+    size: tuple[int, int]  # (width, height) of the upload
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """Where one image's placeholder tokens sit in the prompt: ``offset .. offset + length - 1``."""
+
+    offset: int
+    length: int
 
 
 @dataclass
@@ -41,6 +61,24 @@ class RenderedPrompt:
 
     segments: list[Segment] = field(default_factory=list)
     thinking: bool = False
+    image_size_in_header: bool = False  # K3 writes "image {W}x{H}", K2.5 "image"
+
+    def add_image(self, part: dict[str, Any], placeholder: str) -> None:
+        """An image content part; ``placeholder`` is how the prompt's text shows it."""
+        self.segments.append(Segment(placeholder, image=part))
+
+    def add_content(self, parts: str | list[Any], placeholder: str) -> None:
+        """Text runs and image parts (``messages.content_parts``) in order."""
+        for part in [parts] if isinstance(parts, str) else parts:
+            if isinstance(part, str):
+                self.add_text(part)
+            else:
+                self.add_image(part, placeholder)
+
+    @property
+    def images(self) -> list[dict[str, Any]]:
+        """The image content parts, in prompt order."""
+        return [s.image for s in self.segments if s.image is not None]
 
     def add_special(self, marker: str) -> None:
         self.segments.append(Segment(marker, True))
@@ -60,14 +98,39 @@ class RenderedPrompt:
         """The prompt as one string, markers written as their names."""
         return "".join(s.text for s in self.segments)
 
-    def token_ids(self, tokenizer: SegmentTokenizer) -> list[int]:
+    def token_ids(self, tokenizer: SegmentTokenizer, images: list[ImageLike] | None = None) -> list[int]:
         """Markers -> their special ids; text -> ordinary tokens even where it spells a marker."""
+        return self.encode(tokenizer, images)[0]
+
+    def encode(self, tokenizer: SegmentTokenizer, images: list[ImageLike] | None = None
+               ) -> tuple[list[int], list[ImageSpan]]:
+        """(token ids, the span of each image's placeholder tokens). ``images`` are the
+        preprocessed :attr:`images`, in order (their size and token count shape the prompt)."""
         ids: list[int] = []
+        spans: list[ImageSpan] = []
+        n_images = len(self.images)
+        if n_images and (images is None or len(images) != n_images):
+            raise ValueError(f"the prompt has {n_images} image(s) but {len(images or [])} were given")
+
+        def special(name: str) -> int:
+            if name not in tokenizer.special_tokens:
+                raise ValueError(f"the tokenizer has no special token {name!r}")
+            return tokenizer.special_tokens[name]
+
         for seg in self.segments:
-            if seg.special:
+            if seg.image is not None:
+                image = images[len(spans)]  # type: ignore[index]
+                header = f"image {image.size[0]}x{image.size[1]}" if self.image_size_in_header else "image"
+                ids.append(special(MEDIA_BEGIN))
+                ids += tokenizer.encode(header, allow_special=False)
+                ids.append(special(MEDIA_CONTENT))
+                spans.append(ImageSpan(len(ids), image.num_tokens))
+                ids += [special(MEDIA_PAD)] * image.num_tokens
+                ids.append(special(MEDIA_END))
+            elif seg.special:
                 if seg.text not in tokenizer.special_tokens:
                     raise ValueError(f"the tokenizer has no special token {seg.text!r}")
                 ids.append(tokenizer.special_tokens[seg.text])
             else:
                 ids += tokenizer.encode(seg.text, allow_special=False)
-        return ids
+        return ids, spans

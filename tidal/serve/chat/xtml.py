@@ -19,7 +19,7 @@ from tidal.serve.chat.messages import (
     Message,
     call_arguments,
     call_name,
-    content_text,
+    content_parts,
     reasoning_of,
     role_of,
 )
@@ -86,12 +86,13 @@ class XtmlWriter:
         self.out.add_text(tag)
         self.out.add_special(SEP)
 
-    def element(self, tag: str, attrs: Attrs, body: str) -> None:
+    def element(self, tag: str, attrs: Attrs, body: str | list) -> None:
+        """``body``: text, or text runs and image parts (each image at its place)."""
         self.open(tag, attrs)
-        self.out.add_text(body)
+        self.out.add_content(body, IMAGE_PLACEHOLDER)
         self.close(tag)
 
-    def message(self, attrs: Attrs, body: str = "") -> None:
+    def message(self, attrs: Attrs, body: str | list = "") -> None:
         self.element("message", attrs, body)
         self.out.add_special(END_OF_MSG)
 
@@ -108,7 +109,7 @@ def _assistant(w: XtmlWriter, msg: Message, thinking: bool) -> None:
     if thinking:
         reasoning = reasoning_of(msg)
         w.element("think", [], reasoning if reasoning.strip() else "")
-    w.element("response", [], content_text(msg.get("content"), IMAGE_PLACEHOLDER))
+    w.element("response", [], content_parts(msg.get("content")))
     calls = msg.get("tool_calls") or []
     if calls:
         w.open("tools")
@@ -144,7 +145,7 @@ def _tool_results(w: XtmlWriter, run: list[Message], prev: Message | None) -> No
         ]
     for n, (m, name) in enumerate(rows, 1):
         w.message([("role", "tool"), ("tool", name), ("index", str(n))],
-                  content_text(m.get("content"), IMAGE_PLACEHOLDER))
+                  content_parts(m.get("content")))
 
 
 def render_xtml(messages: list[Message], opts: RenderOptions) -> RenderedPrompt:
@@ -169,13 +170,13 @@ def render_xtml(messages: list[Message], opts: RenderOptions) -> RenderedPrompt:
             i = j
             continue
         if role == "user":
-            w.message(_named("user", msg), content_text(msg.get("content"), IMAGE_PLACEHOLDER))
+            w.message(_named("user", msg), content_parts(msg.get("content")))
         elif role == "system":
             if msg.get("tools"):
                 w.message([("role", "system"), ("type", "tool-declare")],
                           NEW_TOOLS_HEADER + fenced_json(msg["tools"]))
-            body = content_text(msg.get("content"), IMAGE_PLACEHOLDER)
-            if not msg.get("tools") or body.strip():
+            body = content_parts(msg.get("content"))
+            if not msg.get("tools") or any(not isinstance(p, str) or p.strip() for p in body):
                 w.message(_named("system", msg), body)
         elif role == "assistant":
             _assistant(w, msg, on)
@@ -192,4 +193,5 @@ def render_xtml(messages: list[Message], opts: RenderOptions) -> RenderedPrompt:
         w.open("message", [("role", "assistant")])
         w.open("think" if on else "response")
         w.out.thinking = on
+    w.out.image_size_in_header = True
     return w.out
