@@ -191,7 +191,11 @@
     const parts = [];
     if (s.ttft !== null) parts.push(`TTFT ${fmtMs(s.ttft)}`);
     if (s.tps !== null) parts.push(`${s.tps.toFixed(1)} tok/s`);
-    if (turn.usage) parts.push(`${turn.usage.completion_tokens} tokens`);
+    if (turn.usage) {
+      const details = turn.usage.completion_tokens_details;
+      const thinking = details && details.reasoning_tokens ? ` (${details.reasoning_tokens} thinking)` : "";
+      parts.push(`${turn.usage.completion_tokens} tokens${thinking}`);
+    }
     if (turn.finish) parts.push(`finish: ${turn.finish}`);
     if (turn.stopped) parts.push("stopped");
     view.meta.textContent = parts.join(" · ");
@@ -456,6 +460,7 @@
       sessionStorage.setItem(KEY_STORE, key.value.trim());
       loadModel();
     });
+    $("settings-form").addEventListener("submit", (e) => e.preventDefault());  // Enter in a field sends nothing
     $("composer").addEventListener("submit", (e) => {
       e.preventDefault();
       sendUser($("prompt").value);
