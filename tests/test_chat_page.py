@@ -401,3 +401,43 @@ def test_markdown_links_keep_only_web_urls(page, recorded):
     for src, href, count, scripts in got:
         assert href == cases[src], (src, href)
         assert count <= 1 and scripts == 0, src
+
+
+# The page's fetch of the chat stream replaced by a stream whose byte chunks the test chooses: one
+# byte per read (every multi-byte character split), then either the end or a network error.
+FAKE_FETCH = """([pieces, fail]) => {
+    const real = window.fetch;
+    window.fetch = (url, init) => {
+        if (!String(url).endsWith('/v1/chat/completions')) return real(url, init);
+        const body = new ReadableStream({
+            start(c) {
+                for (const p of pieces) c.enqueue(new Uint8Array(p));
+                // (an error discards chunks not yet read: it comes once they are)
+                if (fail) setTimeout(() => c.error(new TypeError('network error')), 100); else c.close();
+            }});
+        return Promise.resolve(new Response(body, {headers: {'Content-Type': 'text/event-stream'}}));
+    };
+}"""
+
+
+def test_utf8_split_in_every_read_and_network_error(page, recorded):
+    page.goto(f"http://127.0.0.1:{recorded.server_address[1]}/")
+    page.wait_for_function("() => document.getElementById('model-name').textContent === 'recorded'")
+    stream = b"".join(hostile_stream())
+    page.evaluate(FAKE_FETCH, [[[b] for b in stream], False])
+    send(page, "bytes")
+    wait_idle(page)
+    reply = last_reply(page)
+    assert "naïve 日本語 🌊 done." in reply.locator(".content").inner_text()
+    assert "Zürich" in reply.locator(".tool-args").inner_text()
+    assert not reply.locator(".turn-error").count()
+
+    cut = stream[:stream.index("日".encode()) + 1]  # the connection drops inside a character
+    page.evaluate(FAKE_FETCH, [[list(cut)], True])
+    send(page, "drop")
+    wait_idle(page)
+    reply = last_reply(page)
+    assert "connection lost" in reply.locator(".turn-error").inner_text()
+    assert reply.locator(".content").inner_text().startswith("Hello <script>")  # the events before the drop
+    assert page.is_enabled("#send")
+    assert page.errors == []
