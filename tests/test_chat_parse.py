@@ -68,8 +68,8 @@ K3_CASES = {
                   '<|close|>response<|sep|> trailing <|open|>tools<|sep|>junk<|open|>call tool="f" index="1"<|sep|>'
                   '<|open|>argument key="n" type="number"<|sep|>not json<|close|>argument<|sep|><|close|>call<|sep|>'
                   '<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>'),
-                  "Think <|open|> about <|close|>nothing<|sep|> here<|sep|>.",
-                  'Use <|open|>bogus tag<|sep|> and <|open|>call tool="x"<|sep|>! trailing junk',
+                  "Think  about nothing here.",  # the markers go, the text stays
+                  'Use bogus tag and call tool="x"! trailing junk',
                   [("f", {"n": "not json"})]),
     "cut_partial_marker": (False, "a <| b <|op x <|open|", "", "a <| b <|op x <|open|", []),
     "restated_message_open": (False,
@@ -161,12 +161,61 @@ def test_k2_call_ids_come_from_the_model():
     assert [c.id for c in result.tool_calls] == ["functions.get_weather:0", "functions.search:1"]
 
 
-def test_k3_cut_off_argument_keeps_what_came():
-    text = 'Ok<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>' \
-           '<|open|>argument key="q" type="string"<|sep|>ab"c<|clo'
-    result = K3.parse_full(text, thinking=False, make_id=make_id)
-    assert result.content == "Ok"
-    assert [(c.id, c.name, c.arguments) for c in result.tool_calls] == [("id0", "f", '{"q":"ab\\"c<|clo')]
+CUT_CALL = ('Ok<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="a" index="1"<|sep|><|close|>call<|sep|>'
+            '<|open|>call tool="f" index="2"<|sep|><|open|>argument key="q" type="string"<|sep|>ab"c')
+
+
+@pytest.mark.parametrize("tail", ["", "<|clo", "<|close|>argument<|sep|><|open|>argument key=\"n\" type",
+                                  "<|close|>argument<|sep|><|open|>argument key=\"n\" type=\"number\"<|sep|>1"])
+def test_k3_cut_off_call_is_dropped(tail, tok):
+    """A call the reply did not finish (max_tokens) never goes out, however it was cut; the
+    finished one before it does, and no marker or header text reaches the content."""
+    for pieces in all_feeds(CUT_CALL + tail, tok):
+        result, events = run(K3, False, pieces)
+        assert result.content == "Ok"
+        assert [(c.name, c.arguments) for c in result.tool_calls] == [("a", "{}")]
+    parser = K3.parser(False, make_id)
+    parser.parse_full(CUT_CALL + tail)
+    assert parser.dropped_call is not None and parser.dropped_call.name == "f"
+    assert parser.dropped_call.partial_arguments.startswith('{"q":"ab\\"c')
+
+
+def test_k2_cut_off_call_is_dropped():
+    text = ('Hi<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": 1}'
+            '<|tool_call_end|><|tool_call_begin|>functions.g:1<|tool_call_argument_begin|>{"city": "')
+    parser = K2.parser(False, make_id)
+    result = parser.parse_full(text)
+    assert result.content == "Hi" and [(c.name, json.loads(c.arguments)) for c in result.tool_calls] == [("f", {"a": 1})]
+    assert parser.dropped_call.name == "g"
+    assert K2.parse_full("Hi<|tool_calls_section_begin|><|tool_call_begin|>functions.g").content == "Hi"
+    # Markers the tokenizer has as special tokens never show up as text, even out of place.
+    k2 = K2Format(other_specials=tuple(MARKERS))
+    assert k2.parse_full(K2_CASES["malformed"][0]).content == "oops text  junk "
+    assert k2.parse_full("a[BOS]b<|open|>c").content == "abc"
+
+
+def test_k3_after_the_message_ends_text_is_content_without_markers(tok):
+    """With ignore_eos the model writes on past <|end_of_msg|>: that is content, never a special
+    token, and it streams as it comes (nothing waits for the end)."""
+    fmt = K3Format(other_specials=tuple(MARKERS))
+    text = ('<|close|>think<|sep|><|open|>response<|sep|>Hi<|close|>response<|sep|><|close|>message<|sep|>'
+            '<|end_of_msg|>[EOS]<|open|>message role="system"<|sep|>more<|close|>message<|sep|><|end_of_msg|>x')
+    for pieces in all_feeds(text, tok):
+        result, _ = run(fmt, True, pieces)
+        assert result.content == 'Himessage role="system"moremessagex'
+    parser = fmt.parser(True, make_id)
+    assert parser.feed(text[:text.index("[EOS]")]) == [ContentDelta("Hi")]
+    assert parser.feed("[EOS]<|open|>message") == [ContentDelta("message")]
+    assert parser.feed(' role="system"<|sep|>mo') == [ContentDelta(' role="system"mo')]
+
+
+def test_k3_text_between_elements_is_not_held(tok):
+    """Text after a closed element goes out as soon as it is more than whitespace."""
+    parser = K3.parser(False, make_id)
+    assert parser.feed("a<|close|>response<|sep|>") == [ContentDelta("a")]
+    assert parser.feed("\n ") == []  # whitespace between elements: dropped if an element follows
+    assert parser.feed("b") == [ContentDelta("\n b")]
+    assert parser.feed("c") == [ContentDelta("c")]
 
 
 def test_streamed_events_hold_back_markers():

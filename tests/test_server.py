@@ -120,7 +120,7 @@ def test_tokenize_detokenize(server, tok, fmt):
     back = httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}, headers=auth()).json()
     assert back["prompt"] == text
     r = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}, headers=auth()).json()
-    assert r["tokens"] == fmt.render(MESSAGES).token_ids(tok)
+    assert r["tokens"] == fmt.render(MESSAGES, thinking="low").token_ids(tok)  # the model's declared default
 
 
 # ---- chat ----------------------------------------------------------------------------------------
@@ -130,7 +130,8 @@ def test_chat_non_stream_usage(oai, tok, fmt):
                                     extra_body={"ignore_eos": True})
     assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")
     assert r.choices[0].finish_reason == "length"
-    assert r.usage.prompt_tokens == len(fmt.render(MESSAGES, thinking="max").token_ids(tok))
+    # The embedded model declares default_reasoning_effort "low" in its config.json.
+    assert r.usage.prompt_tokens == len(fmt.render(MESSAGES, thinking="low").token_ids(tok))
     assert r.usage.completion_tokens == 6
     assert r.usage.total_tokens == r.usage.prompt_tokens + 6
     assert r.choices[0].message.role == "assistant"
@@ -316,7 +317,8 @@ def test_stop_strings_cut_and_never_leak(oai, server):
 
 def test_messages_stream_and_count_tokens(claude, tok, fmt):
     system, msgs = "You are terse.", [{"role": "user", "content": "Count to three."}]
-    expected = len(fmt.render([{"role": "system", "content": system}, *msgs], thinking="max").token_ids(tok))
+    # No `thinking` in the request: the no-thinking prompt.
+    expected = len(fmt.render([{"role": "system", "content": system}, *msgs], thinking="off").token_ids(tok))
     assert claude.messages.count_tokens(model=MODEL, system=system, messages=msgs).input_tokens == expected
     with claude.messages.stream(model=MODEL, system=system, messages=msgs, max_tokens=8,
                                 extra_body={"ignore_eos": True}) as stream:
@@ -330,7 +332,7 @@ def test_messages_stream_and_count_tokens(claude, tok, fmt):
     assert {b.type for b in final.content} <= {"thinking", "text", "tool_use"}
     # The next turn: its prefix is read from the cache.
     msgs2 = [*msgs, {"role": "assistant", "content": "1, 2, 3."}, {"role": "user", "content": "Again."}]
-    expected2 = len(fmt.render([{"role": "system", "content": system}, *msgs2], thinking="max").token_ids(tok))
+    expected2 = len(fmt.render([{"role": "system", "content": system}, *msgs2], thinking="off").token_ids(tok))
     plain = claude.messages.create(model=MODEL, system=system, messages=msgs2, max_tokens=8,
                                    extra_body={"ignore_eos": True})
     assert expected // 2 < plain.usage.cache_read_input_tokens < expected2

@@ -76,8 +76,8 @@ def test_invalid_parameters_are_400(server, oai):
     openai_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [], "max_tokens": 2}), 400)
     openai_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [10**9], "max_tokens": 2}), 400)
     err = openai_error(post(server, "/v1/chat/completions",
-                            {"model": MODEL, "messages": MESSAGES, "reasoning_effort": "medium"}), 400)
-    assert "medium" in err["message"]
+                            {"model": MODEL, "messages": MESSAGES, "reasoning_effort": "huge"}), 400)
+    assert "huge" in err["message"] and err["param"] == "reasoning_effort"
     openai_error(post(server, "/v1/chat/completions", {
         "model": MODEL, "messages": MESSAGES, "chat_template_kwargs": {"thinking_effort": "extreme"}}), 400)
     still_serving(oai)
@@ -93,7 +93,10 @@ def test_context_overflow_is_400_context_length_exceeded(server, oai):
     assert err["code"] == "context_length_exceeded"
     err = anthropic_error(post(server, "/v1/messages", {
         "model": MODEL, "max_tokens": max_len, "messages": MESSAGES}), 400)
-    assert err["type"] == "invalid_request_error" and "prompt is too long" in err["message"]
+    assert err["type"] == "invalid_request_error" and "max_tokens can be at most" in err["message"]
+    err = anthropic_error(post(server, "/v1/messages", {
+        "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi " * max_len}]}), 400)
+    assert "prompt is too long" in err["message"]
     assert metric(server, "tidal:num_requests_running") == 0
     still_serving(oai)
 

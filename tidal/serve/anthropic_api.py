@@ -1,9 +1,9 @@
 """Anthropic Messages protocol: request models, their conversion to the OpenAI-shaped messages the
 chat formats render, and the response / stream-event bodies.
 
-Thinking effort: ``thinking: {"type": "disabled"}`` turns it off; otherwise
-``output_config.effort`` picks it, Anthropic's five levels folded onto K3's three (low -> low,
-medium/high -> high, xhigh/max -> max); with neither, the chat format's default applies.
+Thinking: a request without ``thinking`` (or with ``{"type": "disabled"}``) renders K3's
+no-thinking prompt, so the reply has no thinking block; with ``enabled``/``adaptive`` the level
+comes from ``output_config.effort`` or ``budget_tokens`` (the table in :mod:`tidal.serve.chat.effort`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,16 @@ from tidal.serve.chat import (
     ReasoningDelta,
     ReplyParser,
     ToolCallStart,
+    budget_effort,
+    request_effort,
+    thinking_effort,
 )
 from tidal.serve.engine_client import EngineError, RequestStream, TokenDelta
 from tidal.serve.errors import APIError, anthropic_envelope, bad_request
 
 logger = logging.getLogger("tidal.serve")
 
-ANTHROPIC_EFFORTS = {"low": "low", "medium": "high", "high": "high", "xhigh": "max", "max": "max"}
+ANTHROPIC_EFFORTS = ("low", "medium", "high", "xhigh", "max")  # output_config.effort; mapped by chat.effort
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
 
 
@@ -196,17 +199,28 @@ def to_tool_choice(choice: dict[str, Any] | None) -> Any:
     raise bad_request(f"unknown tool_choice type {kind!r}", "tool_choice")
 
 
-def effort_of(req: MessagesRequest | CountTokensRequest) -> str | None:
-    """The request's thinking effort as the chat formats name it (None = the format's default)."""
-    if req.thinking is not None and req.thinking.type == "disabled":
-        return "off"
-    if req.output_config is not None and req.output_config.effort is not None:
-        effort = req.output_config.effort
-        if effort not in ANTHROPIC_EFFORTS:
-            raise bad_request(f"unknown output_config.effort {effort!r}; expected one of "
-                              f"{', '.join(ANTHROPIC_EFFORTS)}", "output_config.effort")
-        return ANTHROPIC_EFFORTS[effort]
-    return None
+def effort_of(req: MessagesRequest | CountTokensRequest, default: str) -> str:
+    """The request's K3 thinking level. Without ``thinking`` the model does not think (K3's format
+    can switch thinking off, so there is no thinking block to drop), unless
+    ``chat_template_kwargs`` asks for it. ``enabled``/``adaptive`` think at ``output_config.effort``,
+    else at the level ``budget_tokens`` maps to, else at the server's ``default``."""
+    kwargs = req.chat_template_kwargs
+    effort = req.output_config.effort if req.output_config is not None else None
+    if effort is not None and effort.strip().lower() not in ANTHROPIC_EFFORTS:
+        raise bad_request(f"unknown output_config.effort {effort!r}; expected one of "
+                          f"{', '.join(ANTHROPIC_EFFORTS)}", "output_config.effort")
+    try:
+        if req.thinking is None:
+            return thinking_effort(None, kwargs, default="off")
+        if req.thinking.type == "disabled":
+            return "off"
+        if effort is not None:
+            return request_effort(effort)
+        if req.thinking.budget_tokens is not None:
+            return budget_effort(req.thinking.budget_tokens)
+        return thinking_effort(None, kwargs, default=default)
+    except ValueError as e:
+        raise bad_request(str(e), "chat_template_kwargs") from e
 
 
 # ---- responses ----------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from tidal.serve import anthropic_api as anth
 from tidal.serve import openai_api as oai
 from tidal.serve import openai_protocol as proto
 from tidal.serve.chat import (
+    DEFAULT_EFFORT,
     ChatFormat,
     RenderedPrompt,
     chat_format_for,
@@ -71,6 +72,7 @@ class ServerConfig:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     reasoning_alias: bool = False
     ui: bool = True  # the chat page at / and /chat (--no-ui turns it off)
+    default_reasoning_effort: str = DEFAULT_EFFORT  # chat completions' effort when a request names none
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -110,16 +112,24 @@ class ServerState:
             raise bad_request("this model has no tokenizer, so no chat format: use /v1/completions with token ids")
         return self.chat
 
-    async def render(self, messages: list[dict[str, Any]], *, tools: Any = None, tool_choice: Any = None,
-                     response_format: Any = None, effort: str | None = None, chat_template_kwargs: Any = None,
-                     add_generation_prompt: bool = True) -> tuple[RenderedPrompt, list[int]]:
-        """(prompt, token ids) of a conversation; unknown efforts and malformed messages are 400s.
+    def chat_effort(self, reasoning_effort: str | None, chat_template_kwargs: Any = None,
+                    thinking: Any = None) -> str:
+        """The K3 level of an OpenAI-style request (the server's default when it names none);
+        an unknown value is a 400 naming the field it came from."""
+        try:
+            return thinking_effort(reasoning_effort, chat_template_kwargs, self.config.default_reasoning_effort,
+                                   thinking)
+        except ValueError as e:
+            param = ("reasoning_effort" if reasoning_effort is not None
+                     else "thinking" if thinking is not None else "chat_template_kwargs")
+            raise bad_request(str(e), param) from e
+
+    async def render(self, messages: list[dict[str, Any]], *, level: str, tools: Any = None, tool_choice: Any = None,
+                     response_format: Any = None, add_generation_prompt: bool = True
+                     ) -> tuple[RenderedPrompt, list[int]]:
+        """(prompt, token ids) of a conversation at thinking ``level``; malformed messages are 400s.
         Runs on a worker thread: a long agent context must not stall the other streams."""
         fmt = self.need_chat()
-        try:
-            level = thinking_effort(effort, chat_template_kwargs)
-        except ValueError as e:
-            raise bad_request(str(e), "reasoning_effort") from e
 
         def work() -> tuple[RenderedPrompt, list[int]]:
             prompt = fmt.render(messages, tools=tools, tool_choice=tool_choice, response_format=response_format,
@@ -142,18 +152,21 @@ class ServerState:
             return []
         return [t for t in self.chat.stop_token_ids(self.tokenizer) if t not in self.engine.eos_token_ids]
 
-    async def submit(self, requests: list[EngineRequest]) -> RequestStream:
-        """Queue requests; context overflow, invalid input and a stopped engine become API errors."""
+    async def submit(self, requests: list[EngineRequest], *, prompt_param: str = "messages",
+                     max_tokens_param: str = "max_tokens") -> RequestStream:
+        """Queue requests; context overflow (naming the request's own fields), invalid input and a
+        stopped engine become API errors."""
         limit = self.max_model_len
+        params = {"prompt_param": prompt_param, "max_tokens_param": max_tokens_param}
         for r in requests:
             n, m = len(r.prompt_token_ids), r.params.max_tokens
             if (m is None and n >= limit) or (m is not None and n + m > limit):
-                raise context_length_error(limit, n, m)
+                raise context_length_error(limit, n, m, **params)
         try:
             return await self.client.generate(requests)
         except RequestTooLongError as e:
             r = requests[0]
-            raise context_length_error(limit, len(r.prompt_token_ids), r.params.max_tokens) from e
+            raise context_length_error(limit, len(r.prompt_token_ids), r.params.max_tokens, **params) from e
         except EngineError as e:
             raise APIError(503, str(e)) from e
         except ValueError as e:
@@ -355,10 +368,10 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt or messages")
         if body.messages is not None:
-            _, ids = await st.render([m.model_dump(exclude_none=True) for m in body.messages],
-                               tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
-                               effort=body.reasoning_effort, chat_template_kwargs=body.chat_template_kwargs,
-                               add_generation_prompt=body.add_generation_prompt)
+            level = st.chat_effort(body.reasoning_effort, body.chat_template_kwargs)
+            _, ids = await st.render([m.model_dump(exclude_none=True) for m in body.messages], level=level,
+                                     tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+                                     add_generation_prompt=body.add_generation_prompt)
         else:
             ids = await st.encode(body.prompt)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids}
@@ -382,20 +395,21 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
     async def chat_completions(body: proto.ChatCompletionRequest, request: Request) -> Any:
         st.check_model(body.model)
         body.check_supported()
-        prompt, ids = await st.render(body.message_dicts(), tools=body.tool_dicts(), tool_choice=body.tool_choice,
-                                response_format=body.response_format, effort=body.reasoning_effort,
-                                chat_template_kwargs=body.chat_template_kwargs,
-                                add_generation_prompt=body.add_generation_prompt)
+        level = st.chat_effort(body.reasoning_effort, body.chat_template_kwargs, body.thinking)
+        prompt, ids = await st.render(body.message_dicts(), level=level, tools=body.tool_dicts(),
+                                      tool_choice=body.tool_choice, response_format=body.response_format,
+                                      add_generation_prompt=body.add_generation_prompt)
         params = body.sampling_params(body.max_output_tokens, body.num_logprobs, defaults, skip_special_tokens=False)
         params.stop_token_ids = [*params.stop_token_ids, *st.chat_stop_ids(params.ignore_eos)]
         rid = oai.new_id("chatcmpl")
         samples = sample_requests(rid, ids, params)
-        stream = await st.submit(samples)
+        stream = await st.submit(samples, max_tokens_param=body.max_tokens_field)
         opts = oai.ChatOptions(
             id=rid, model=body.model, created=oai.now(), num_logprobs=body.num_logprobs,
             include_usage=body.include_usage, continuous_usage=body.continuous_usage,
             include_reasoning=body.include_reasoning, reasoning_alias=config.reasoning_alias,
             token_bytes=getattr(st.tokenizer, "token_bytes", None),
+            tokens_as_ids=bool(body.return_tokens_as_token_ids), prompt_token_ids=ids if body.return_token_ids else None,
         )
         accs = {r.request_id: oai.ChatAccumulator(st.chat.parser(prompt.thinking), opts, i)
                 for i, r in enumerate(samples)}
@@ -423,13 +437,15 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
                 requests.append(r)
                 echo.append((text or "") if body.echo else None)
                 prompt_ids.append(ids)
-        stream = await st.submit(requests)
+        stream = await st.submit(requests, prompt_param="prompt")
         opts = oai.CompletionOptions(
             id=cid, model=body.model, created=oai.now(), index_of={r.request_id: i for i, r in enumerate(requests)},
             echo_text=echo, prompt_ids=prompt_ids, num_logprobs=body.logprobs, include_usage=body.include_usage,
-            continuous_usage=body.continuous_usage, n=body.n,
+            continuous_usage=body.continuous_usage, n=body.n, tokens_as_ids=bool(body.return_tokens_as_token_ids),
+            return_token_ids=bool(body.return_token_ids),
         )
-        piece = (lambda t: st.tokenizer.decode([t])) if st.tokenizer is not None else (lambda t: f"token_id:{t}")
+        piece = ((lambda t: st.tokenizer.decode([t])) if st.tokenizer is not None and not opts.tokens_as_ids
+                 else (lambda t: f"token_id:{t}"))
         acc = oai.CompletionAccumulator(opts, piece)
         if body.stream:
             return sse_response(oai.framed(oai.completion_stream(stream, acc), stream))
@@ -439,8 +455,8 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
     async def render_messages(body: anth.MessagesRequest | anth.CountTokensRequest
                               ) -> tuple[RenderedPrompt, list[int]]:
         return await st.render(anth.to_chat_messages(body), tools=anth.to_chat_tools(body),
-                         tool_choice=anth.to_tool_choice(body.tool_choice), effort=anth.effort_of(body),
-                         chat_template_kwargs=body.chat_template_kwargs)
+                               tool_choice=anth.to_tool_choice(body.tool_choice),
+                               level=anth.effort_of(body, config.default_reasoning_effort))
 
     @app.post("/v1/messages")
     async def messages(body: anth.MessagesRequest, request: Request) -> Any:

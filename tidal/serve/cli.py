@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.serve.app import DEFAULT_MAX_REQUEST_BYTES
+from tidal.serve.chat.effort import DEFAULT_EFFORT, REQUEST_EFFORTS, request_effort
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
 
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-alias", action="store_true",
                    help="also send reasoning as `reasoning` (vLLM's newer name) next to `reasoning_content`")
     p.add_argument("--no-ui", dest="ui", action="store_false", help="do not serve the chat page at / and /chat")
+    p.add_argument("--default-reasoning-effort", default=None, choices=sorted(REQUEST_EFFORTS),
+                   help="thinking effort of chat requests that name none (default: the model's own, from "
+                        "default_reasoning_effort in its config.json, else K3's max); see the effort table in the README")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
@@ -59,6 +63,16 @@ def generation_defaults(model_dir: Path) -> dict[str, Any]:
         return {}
     cfg = json.loads(path.read_text())
     return {k: cfg[k] for k in SAMPLING_DEFAULT_KEYS if cfg.get(k) is not None}
+
+
+def model_default_effort(model_dir: Path) -> str:
+    """The thinking level the checkpoint declares (``default_reasoning_effort`` in config.json),
+    else K3's default."""
+    try:
+        value = json.loads((model_dir / "config.json").read_text()).get("default_reasoning_effort")
+    except (OSError, ValueError):
+        value = None
+    return request_effort(value) if value is not None else DEFAULT_EFFORT
 
 
 def _make_server(config: Any, on_exit: Callable[[], None]) -> Any:
@@ -109,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         served_model_names=names, model_path=str(model_dir), api_key=args.api_key,
         max_request_bytes=args.max_request_bytes, generation_defaults=generation_defaults(model_dir),
         reasoning_alias=args.reasoning_alias, ui=args.ui,
+        default_reasoning_effort=(request_effort(args.default_reasoning_effort) if args.default_reasoning_effort
+                                  else model_default_effort(model_dir)),
         info={"args": {k: v for k, v in vars(args).items() if k != "api_key"}},
     )
     app = create_app(llm.engine, config)

@@ -30,7 +30,7 @@ ANTHROPIC_TYPES = {
 class APIError(Exception):
     """An error with its HTTP status. ``code`` is OpenAI's string code when there is one
     (``context_length_exceeded``, ``model_not_found``, ``invalid_api_key``); otherwise the envelope
-    carries the integer status, as vLLM does."""
+    carries the error type as the code: always a string, as OpenAI's is."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
@@ -44,19 +44,24 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def context_length_error(max_len: int, prompt_tokens: int, max_tokens: int | None) -> APIError:
-    """vLLM's wording, with the phrases overflow classifiers match ("maximum context length",
-    "prompt is too long", code "context_length_exceeded")."""
-    if max_tokens is None:
-        asked = f"{prompt_tokens} tokens in the prompt, leaving no room for the completion"
-    else:
-        asked = f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the completion)"
+def context_length_error(max_len: int, prompt_tokens: int, max_tokens: int | None, *,
+                         prompt_param: str = "messages", max_tokens_param: str = "max_tokens") -> APIError:
+    """vLLM's wording ("maximum context length", code "context_length_exceeded"), with the numbers.
+    The field at fault is the prompt when it alone does not fit ("prompt is too long", the phrase
+    overflow classifiers match), else the output limit."""
+    if max_tokens is None or prompt_tokens >= max_len:
+        return APIError(
+            400,
+            f"This model's maximum context length is {max_len} tokens. However, your prompt has "
+            f"{prompt_tokens} tokens, leaving no room for the completion (prompt is too long).",
+            code="context_length_exceeded", param=prompt_param,
+        )
     return APIError(
         400,
-        f"This model's maximum context length is {max_len} tokens. However, you requested {asked}. "
-        f"Please reduce the length of the prompt or of the completion (prompt is too long).",
-        code="context_length_exceeded",
-        param="messages",
+        f"This model's maximum context length is {max_len} tokens. However, you requested "
+        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the completion): "
+        f"{max_tokens_param} can be at most {max_len - prompt_tokens} for this prompt.",
+        code="context_length_exceeded", param=max_tokens_param,
     )
 
 
@@ -64,12 +69,16 @@ def is_anthropic_path(path: str) -> bool:
     return path.startswith("/v1/messages")
 
 
+def _openai_type(status: int) -> str:
+    return OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
 def openai_envelope(err: APIError) -> dict[str, Any]:
     return {"error": {
         "message": err.message,
-        "type": OPENAI_TYPES.get(err.status, "server_error" if err.status >= 500 else "invalid_request_error"),
+        "type": _openai_type(err.status),
         "param": err.param,
-        "code": err.code if err.code is not None else err.status,
+        "code": err.code if err.code is not None else _openai_type(err.status),
     }}
 
 
@@ -91,10 +100,26 @@ def error_bytes(err: APIError, path: str) -> bytes:
     return json.dumps(envelope(err, path)).encode()
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable line per pydantic error; the first error's location is the ``param``."""
+def _json_error(e: dict[str, Any], body: bytes | None) -> str:
+    """A JSON syntax error as "line L, column C" (FastAPI gives the character offset)."""
+    loc = [x for x in e.get("loc", ()) if x != "body"]
+    pos = loc[0] if loc and isinstance(loc[0], int) else None
+    reason = (e.get("ctx") or {}).get("error") or "invalid JSON"
+    if pos is None:
+        return f"the request body is not valid JSON: {reason}"
+    text = (body or b"").decode("utf-8", "replace")[:pos]
+    line, column = text.count("\n") + 1, pos - (text.rfind("\n") + 1) + 1
+    return f"the request body is not valid JSON: {reason} at line {line}, column {column} (char {pos})"
+
+
+def _validation_message(exc: RequestValidationError, body: bytes | None = None) -> tuple[str, str | None]:
+    """One readable line per pydantic error; the first error's location is the ``param`` (none
+    for a JSON syntax error: no field is at fault)."""
     parts, param = [], None
     for e in exc.errors():
+        if e.get("type") == "json_invalid":
+            parts.append(_json_error(e, body))
+            continue
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         where = ".".join(loc)
         if param is None and where:
@@ -112,7 +137,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        try:
+            body = await request.body()
+        except Exception:  # noqa: BLE001 - the body is only for the line/column
+            body = None
+        message, param = _validation_message(exc, body)
         return error_response(APIError(400, message, param=param), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)

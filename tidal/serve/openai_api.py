@@ -56,17 +56,19 @@ def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     return ranked[:k]
 
 
-def _token_str(tid: int, lp: Logprob) -> str:
-    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{tid}"
+def _token_str(tid: int, lp: Logprob, as_ids: bool = False) -> str:
+    """A token as logprobs name it: its text, or ``token_id:N`` (vLLM's
+    ``return_tokens_as_token_ids``, and for a token with no text)."""
+    return lp.decoded_token if lp.decoded_token is not None and not as_ids else f"token_id:{tid}"
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int,
-                  token_bytes: Callable[[int], bytes] | None = None) -> dict[str, Any]:
+                  token_bytes: Callable[[int], bytes] | None = None, as_ids: bool = False) -> dict[str, Any]:
     """``choices[].logprobs`` of a chat response for these tokens. ``bytes`` are the token's own
     bytes when the tokenizer knows them (a byte-level token's text alone may be U+FFFD)."""
 
     def item(tid: int, lp: Logprob) -> dict[str, Any]:
-        tok = _token_str(tid, lp)
+        tok = _token_str(tid, lp, as_ids)
         raw = token_bytes(tid) if token_bytes is not None else tok.encode("utf-8")
         return {"token": tok, "logprob": max(lp.logprob, -9999.0), "bytes": list(raw)}
 
@@ -77,9 +79,10 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: in
 
 
 def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] | None], k: int,
-                        text_offset: int, piece: Callable[[int], str]) -> dict[str, Any]:
-    """``choices[].logprobs`` of a completion (the legacy parallel-list shape). ``piece`` names a
-    token that has no entry (the first prompt token, when echoing)."""
+                        text_offset: int, piece: Callable[[int], str], as_ids: bool = False) -> dict[str, Any]:
+    """``choices[].logprobs`` of a completion (the legacy parallel-list shape): ``top_logprobs``
+    holds the k likeliest tokens and the sampled one (so ``logprobs=0`` gives one entry, as vLLM
+    does). ``piece`` names a token that has no entry (the first prompt token, when echoing)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tid, entry in zip(token_ids, entries):
         if entry is None:
@@ -88,11 +91,12 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] |
             tops.append(None)
         else:
             lp = entry[tid]
-            tokens.append(_token_str(tid, lp))
+            tokens.append(_token_str(tid, lp, as_ids))
             token_lps.append(max(lp.logprob, -9999.0))
             top: dict[str, float] = {}
             for t, v in _top(entry, k):  # tokens with the same text: the likelier one stays
-                top.setdefault(_token_str(t, v), max(v.logprob, -9999.0))
+                top.setdefault(_token_str(t, v, as_ids), max(v.logprob, -9999.0))
+            top.setdefault(tokens[-1], token_lps[-1])
             tops.append(top)
         offsets.append(text_offset)
         text_offset += len(tokens[-1])
@@ -155,6 +159,8 @@ class ChatOptions:
     include_reasoning: bool = True
     reasoning_alias: bool = False  # also write vLLM's ``reasoning`` next to ``reasoning_content``
     token_bytes: Callable[[int], bytes] | None = None
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: echoed, with each reply's ids
 
 
 class ChatAccumulator:
@@ -175,11 +181,15 @@ class ChatAccumulator:
         self._lp_ids: list[int] = []
         self._lp_entries: list[dict[int, Logprob]] = []
         self.all_logprobs: list[dict[str, Any]] = []
+        self.token_ids: list[int] = []
+        self._new_ids: list[int] = []  # token ids since the last delta went out
 
     def step(self, d: TokenDelta) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """(delta, logprobs) for this engine delta."""
         self.prompt_tokens, self.completion_tokens = d.num_prompt_tokens, d.num_output_tokens
         self.cached_tokens = d.num_cached_tokens
+        self.token_ids += d.token_ids
+        self._new_ids += d.token_ids
         if self.parser.in_reasoning:
             self.reasoning_tokens += len(d.token_ids)
         events = self.parser.feed(d.text) if d.text else []
@@ -196,7 +206,8 @@ class ChatAccumulator:
             return None, None
         logprobs = None
         if self.opts.num_logprobs is not None:
-            logprobs = chat_logprobs(self._lp_ids, self._lp_entries, self.opts.num_logprobs, self.opts.token_bytes)
+            logprobs = chat_logprobs(self._lp_ids, self._lp_entries, self.opts.num_logprobs, self.opts.token_bytes,
+                                     self.opts.tokens_as_ids)
             self.all_logprobs += logprobs["content"]
             self._lp_ids, self._lp_entries = [], []
         return delta or {}, logprobs
@@ -270,10 +281,15 @@ async def chat_stream(stream: RequestStream, accs: dict[str, ChatAccumulator]) -
         c = chat_chunk(o.id, o.created, o.model, delta, index=acc.index, **kw)
         if o.continuous_usage:
             c["usage"] = chat_usage(choices)
+        if o.prompt_token_ids is not None and c["choices"]:
+            c["choices"][0]["token_ids"], acc._new_ids = acc._new_ids, []
         return sse_data(c)
 
     for acc in choices:
-        yield chunk(acc, {"role": "assistant", "content": ""})
+        first = chat_chunk(o.id, o.created, o.model, {"role": "assistant", "content": ""}, index=acc.index)
+        if o.prompt_token_ids is not None:
+            first["prompt_token_ids"] = o.prompt_token_ids
+        yield sse_data(first)
     async for d in stream:
         acc = accs[d.request_id]
         delta, logprobs = acc.step(d)
@@ -292,7 +308,7 @@ def chat_response(deltas: list[TokenDelta], accs: dict[str, ChatAccumulator]) ->
         accs[d.request_id].step(d)
     choices = sorted(accs.values(), key=lambda a: a.index)
     o = choices[0].opts
-    return {
+    body = {
         "id": o.id, "object": "chat.completion", "created": o.created, "model": o.model,
         "choices": [{
             "index": acc.index, "message": acc.message(),
@@ -301,6 +317,11 @@ def chat_response(deltas: list[TokenDelta], accs: dict[str, ChatAccumulator]) ->
         } for acc in choices],
         "usage": chat_usage(choices),
     }
+    if o.prompt_token_ids is not None:
+        body["prompt_token_ids"] = o.prompt_token_ids
+        for c, acc in zip(body["choices"], choices):
+            c["token_ids"] = acc.token_ids
+    return body
 
 
 # ---- completions ---------------------------------------------------------------------------------------
@@ -317,6 +338,8 @@ class CompletionOptions:
     include_usage: bool = False
     continuous_usage: bool = False
     n: int = 1  # samples per prompt: choice i is sample i % n of prompt i // n
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids on each choice
 
 
 class CompletionAccumulator:
@@ -336,10 +359,12 @@ class CompletionAccumulator:
         self.logprobs: list[dict[str, list] | None] = [None] * n
         self._lp_ids: list[list[int]] = [[] for _ in range(n)]
         self._lp_entries: list[list] = [[] for _ in range(n)]
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
 
     def step(self, d: TokenDelta) -> tuple[int, str | None, dict[str, Any] | None]:
         """(choice index, text or None when this token completed none, logprobs)."""
         i = self.opts.index_of[d.request_id]
+        self.token_ids[i] += d.token_ids
         self.prompt_tokens[i], self.completion_tokens[i] = d.num_prompt_tokens, d.num_output_tokens
         self.cached_tokens[i] = d.num_cached_tokens
         text = d.text
@@ -362,7 +387,7 @@ class CompletionAccumulator:
         logprobs = None
         if self.opts.num_logprobs is not None:
             logprobs = completion_logprobs(self._lp_ids[i], self._lp_entries[i], self.opts.num_logprobs,
-                                           self.offset[i], self.piece)
+                                           self.offset[i], self.piece, self.opts.tokens_as_ids)
             self._lp_ids[i], self._lp_entries[i] = [], []
             total = self.logprobs[i] or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             for key in total:
@@ -401,5 +426,8 @@ def completion_response(deltas: list[TokenDelta], acc: CompletionAccumulator) ->
     o = acc.opts
     choices = [{"index": i, "text": acc.text[i], "logprobs": acc.logprobs[i], "finish_reason": acc.finish[i][0],
                 "stop_reason": acc.finish[i][1]} for i in range(len(acc.text))]
+    if o.return_token_ids:
+        for i, c in enumerate(choices):
+            c["prompt_token_ids"], c["token_ids"] = o.prompt_ids[i], acc.token_ids[i]
     return {"id": o.id, "object": "text_completion", "created": o.created, "model": o.model,
             "choices": choices, "usage": acc.usage()}

@@ -91,6 +91,8 @@ class _SamplingFields(_Model):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    return_token_ids: bool | None = None  # vLLM: token ids of prompt and reply beside the text
+    return_tokens_as_token_ids: bool | None = None  # vLLM: logprobs name tokens "token_id:N"
 
     def check_supported(self) -> None:
         pass
@@ -106,6 +108,10 @@ class _SamplingFields(_Model):
             except ValueError:
                 raise bad_request(f"logit_bias keys are token ids, got {key!r}", "logit_bias") from None
         return out
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
 
     @property
     def include_usage(self) -> bool:
@@ -162,6 +168,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
+    thinking: dict[str, Any] | None = None  # the Kimi API's {"type": "enabled" | "disabled"}
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True
     add_generation_prompt: bool = True
@@ -171,9 +178,26 @@ class ChatCompletionRequest(_SamplingFields):
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        self.check_stream_options()
+        self.check_tool_choice()
         if self.continue_final_message:
             raise bad_request("continue_final_message is not supported by the Kimi chat formats",
                               "continue_final_message")
+
+    def check_tool_choice(self) -> None:
+        """``tool_choice`` must be satisfiable by ``tools`` (what it makes the model do is the
+        sampler's business)."""
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
+        if choice == "required" and not names:
+            raise bad_request('tool_choice "required" needs tools', "tool_choice")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if not name:
+                raise bad_request('a tool_choice object must be {"type": "function", "function": {"name": ...}}',
+                                  "tool_choice")
+            if name not in names:
+                raise bad_request(f"tool_choice names function {name!r}, which is not in tools "
+                                  f"({', '.join(names) or 'none given'})", "tool_choice")
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """The messages as the chat renderers take them (OpenAI-shaped dicts, as sent)."""
@@ -186,6 +210,11 @@ class ChatCompletionRequest(_SamplingFields):
     def max_output_tokens(self) -> int | None:
         """``max_completion_tokens`` (what bench clients send) wins over the older ``max_tokens``."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The output-limit field the request used (error messages name it)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def num_logprobs(self) -> int | None:
@@ -202,6 +231,7 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        self.check_stream_options()
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):

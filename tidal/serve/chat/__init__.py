@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from tidal.serve.chat.effort import EFFORTS, normalize_effort, thinking_effort
+from tidal.serve.chat.effort import (
+    DEFAULT_EFFORT,
+    EFFORTS,
+    REQUEST_EFFORTS,
+    budget_effort,
+    normalize_effort,
+    request_effort,
+    thinking_effort,
+)
 from tidal.serve.chat.events import (
     ContentDelta,
     Event,
@@ -30,9 +38,9 @@ from tidal.serve.chat.prompt import RenderedPrompt, RenderOptions, Segment
 from tidal.serve.chat.xtml import OPEN
 
 __all__ = [
-    "EFFORTS", "ChatFormat", "ContentDelta", "Event", "K2Format", "K3Format", "ParsedReply", "ReasoningDelta",
+    "DEFAULT_EFFORT", "EFFORTS", "REQUEST_EFFORTS", "ChatFormat", "ContentDelta", "Event", "K2Format", "K3Format", "ParsedReply", "ReasoningDelta",
     "RenderOptions", "RenderedPrompt", "ReplyParser", "Segment", "ToolCall", "ToolCallDelta", "ToolCallStart", "chat_format_for",
-    "normalize_effort", "thinking_effort",
+    "budget_effort", "normalize_effort", "request_effort", "thinking_effort",
 ]
 
 
@@ -40,8 +48,9 @@ def chat_format_for(tokenizer: Any, config: Any = None) -> ChatFormat:
     """K3 XTML when the tokenizer has ``<|open|>``, else the K2 format (with Kimi Linear's default
     system prompt when ``config`` — a ModelConfig or config dict — says ``kimi_linear``)."""
     specials = tokenizer.special_tokens
+    names = tuple(sorted(specials))
     if OPEN in specials:
-        return K3Format()
+        return K3Format(other_specials=names)
     model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
     system = KIMI_LINEAR_DEFAULT_SYSTEM if model_type == "kimi_linear" else K2_DEFAULT_SYSTEM
-    return K2Format(default_system=system, think_tokens="<think>" in specials)
+    return K2Format(default_system=system, think_tokens="<think>" in specials, other_specials=names)

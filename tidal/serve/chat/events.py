@@ -7,9 +7,12 @@ whole reply at once or in any pieces, the events add up to the same ``ParsedRepl
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+logger = logging.getLogger("tidal.serve")
 
 
 @dataclass(frozen=True)
@@ -72,14 +75,26 @@ def random_call_id(index: int) -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+@dataclass
+class DroppedCall:
+    """A tool call the reply left unfinished (cut by max_tokens): never sent to the client."""
+
+    name: str
+    partial_arguments: str
+
+
 class ReplyParser:
     """Base of the streaming parsers: collects events (adjacent text deltas of one kind merged)
-    and keeps the running ``result``."""
+    and keeps the running ``result``. A tool call's events are held until the call closes, so a
+    client only ever sees complete calls with valid JSON arguments; one still open when the reply
+    ends is dropped (``dropped_call``)."""
 
     def __init__(self, make_id: Callable[[int], str] | None = None) -> None:
         self.make_id = make_id or random_call_id
         self.result = ParsedReply()
         self._events: list[Event] = []
+        self._open_call: list[Event] | None = None  # events of the call being written
+        self.dropped_call: DroppedCall | None = None
         self.num_calls = 0
 
     # --- to implement -------------------------------------------------------------------------
@@ -103,6 +118,12 @@ class ReplyParser:
     def finish(self) -> list[Event]:
         """End of the reply: whatever was held back is resolved, as text where it is no marker."""
         self._finish()
+        if self._open_call is not None:
+            start, *args = self._open_call
+            self.dropped_call = DroppedCall(start.name, "".join(a.arguments for a in args))
+            self._open_call = None
+            logger.warning("the reply ended inside a call of %r: the call is dropped (partial arguments %r)",
+                           start.name, self.dropped_call.partial_arguments[:200])
         return self._drain()
 
     def parse_full(self, text: str) -> ParsedReply:
@@ -113,6 +134,9 @@ class ReplyParser:
 
     # --- helpers for subclasses ---------------------------------------------------------------
     def _emit(self, ev: Event) -> None:
+        if self._open_call is not None and isinstance(ev, (ToolCallStart, ToolCallDelta)):
+            self._open_call.append(ev)
+            return
         last = self._events[-1] if self._events else None
         if isinstance(ev, (ReasoningDelta, ContentDelta)):
             if not ev.text:
@@ -137,8 +161,17 @@ class ReplyParser:
     def _start_call(self, name: str, call_id: str | None = None) -> int:
         index = self.num_calls
         self.num_calls += 1
-        self._emit(ToolCallStart(index, call_id or self.make_id(index), name))
+        self._open_call = [ToolCallStart(index, call_id or self.make_id(index), name)]
         return index
+
+    def _commit_call(self) -> None:
+        """The open call closed: its start and arguments go out (as one arguments delta)."""
+        if self._open_call is None:
+            return
+        start, *args = self._open_call
+        self._open_call = None
+        self._emit(start)
+        self._emit(ToolCallDelta(start.index, "".join(a.arguments for a in args)))
 
     def _arguments(self, index: int, text: str) -> None:
         self._emit(ToolCallDelta(index, text))

@@ -49,12 +49,13 @@ class K3Format(ChatFormat):
 
     name: str = "kimi_k3"
     stop_tokens: tuple[str, ...] = (END_OF_MSG,)
+    other_specials: tuple[str, ...] = ()  # the tokenizer's special tokens a reply parser drops
 
     def _render(self, messages, opts) -> RenderedPrompt:
         return render_xtml(messages, opts)
 
     def parser(self, thinking=False, make_id=None) -> ReplyParser:
-        return XtmlReplyParser(thinking, make_id)
+        return XtmlReplyParser(thinking, make_id, self.other_specials)
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,10 @@ class K2Format(ChatFormat):
     stop_tokens: tuple[str, ...] = (IM_END, EOS)
     default_system: str = K2_DEFAULT_SYSTEM
     think_tokens: bool = False  # the tokenizer has <think>/</think> as special tokens
+    other_specials: tuple[str, ...] = ()
 
     def _render(self, messages, opts) -> RenderedPrompt:
         return render_k2(messages, opts, self.default_system, self.think_tokens)
 
     def parser(self, thinking=False, make_id=None) -> ReplyParser:
-        return K2ReplyParser(make_id)
+        return K2ReplyParser(make_id, self.other_specials)

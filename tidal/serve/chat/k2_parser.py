@@ -3,7 +3,9 @@
 ``<think>…</think>`` at the start is reasoning (``◁think▷``/``◁/think▷`` in older models); the
 tool section ``<|tool_calls_section_begin|>`` (which also ends reasoning) holds calls
 ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{JSON}<|tool_call_end|>``;
-the name comes from the id. A marker where it does not belong is kept as text.
+the name comes from the id. A marker where it does not belong is dropped when it is one of the
+tokenizer's special tokens (as are its other special tokens), else kept as text; a call cut off
+by the end of the reply is dropped (see ReplyParser).
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ _CALL_ID = re.compile(r"(?:functions\.)?(.*?)(?::\d+)?", re.DOTALL)
 
 
 class K2ReplyParser(ReplyParser):
-    def __init__(self, make_id: Callable[[int], str] | None = None) -> None:
+    def __init__(self, make_id: Callable[[int], str] | None = None, drop: tuple[str, ...] = ()) -> None:
         super().__init__(make_id)
-        self._scanner = MarkerScanner(_ALIASES)
+        self._specials = frozenset(drop)
+        self._drop = self._specials - set(_ALIASES)
+        self._scanner = MarkerScanner([*_ALIASES, *self._drop])
         self.state = "lead"
         self._seen_content = False
         self._stray = ""  # whitespace-so-far in "lead", text between calls in "section"/"done"
@@ -56,6 +60,8 @@ class K2ReplyParser(ReplyParser):
 
     def _feed(self, text: str) -> None:
         for piece, is_marker in self._scanner.feed(text):
+            if is_marker and piece in self._drop:
+                continue
             if is_marker:
                 self._marker(piece, _ALIASES[piece])
             else:
@@ -63,8 +69,7 @@ class K2ReplyParser(ReplyParser):
 
     def _finish(self) -> None:
         self._text(self._scanner.flush())
-        if self.state == "call_id":
-            self._content(self._call_id_raw())
+        self._call_id = ""  # a call cut off before its arguments: dropped
         self._flush_stray()
 
     # --- text -----------------------------------------------------------------------------------
@@ -98,16 +103,11 @@ class K2ReplyParser(ReplyParser):
         if stray.strip():
             self._content(stray)
 
-    def _call_id_raw(self) -> str:
-        raw, self._call_id = CALL_BEGIN + self._call_id, ""
-        return raw
-
     # --- markers --------------------------------------------------------------------------------
     def _marker(self, raw: str, marker: str) -> None:
         s = self.state
         if marker == IM_END:
-            if s == "call_id":
-                self._content(self._call_id_raw())
+            self._call_id = ""
             self._end_call()
             self._flush_stray()
             self.state = "done"
@@ -136,7 +136,7 @@ class K2ReplyParser(ReplyParser):
             self._end_call()
             self._flush_stray()
             self.state = "lead"
-        else:
+        elif raw not in self._specials:  # out of place and no special token (``<think>`` as text)
             self._text(raw)
 
     def _begin_call(self) -> None:
@@ -150,3 +150,4 @@ class K2ReplyParser(ReplyParser):
         if self._call is not None and not self._args_started:
             self._arguments(self._call, "{}")
         self._call = None
+        self._commit_call()

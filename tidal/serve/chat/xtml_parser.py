@@ -46,14 +46,18 @@ class _Argument:
 
 
 class XtmlReplyParser(ReplyParser):
-    def __init__(self, thinking: bool, make_id: Callable[[int], str] | None = None) -> None:
+    def __init__(self, thinking: bool, make_id: Callable[[int], str] | None = None,
+                 drop: tuple[str, ...] = ()) -> None:
+        """``drop``: the tokenizer's other special tokens, removed wherever they appear."""
         super().__init__(make_id)
-        self._scanner = MarkerScanner([OPEN, CLOSE, SEP, END_OF_MSG])
+        self._drop = frozenset(drop) - {OPEN, CLOSE, SEP, END_OF_MSG}
+        self._scanner = MarkerScanner([OPEN, CLOSE, SEP, END_OF_MSG, *self._drop])
         self._stack = ["message", "think" if thinking else "response"]
         self._fresh = True  # nothing seen yet: a leading message/channel open is accepted
         self._header: str | None = None  # text after <|open|>/<|close|>, waiting for <|sep|>
         self._header_kind = OPEN
-        self._stray = ""  # text between elements, resolved at the next element
+        self._stray = ""  # trailing whitespace between elements, resolved at the next element
+        self._stray_live = False  # the current run between elements already gave content
         self._call: _Call | None = None
         self._arg: _Argument | None = None
 
@@ -71,11 +75,7 @@ class XtmlReplyParser(ReplyParser):
 
     def _finish(self) -> None:
         self._text(self._scanner.flush())
-        if self._header is not None:
-            self._abandon_header()
-        if self._arg is not None and self._arg.typed:
-            self._arguments(self._call.index, self._arg.value)  # cut off: pass on what came
-            self._arg = None
+        self._header = None  # an element cut off mid-header: markup, dropped
         self._flush_stray()
 
     def _text(self, text: str) -> None:
@@ -89,7 +89,14 @@ class XtmlReplyParser(ReplyParser):
         if pattern.fullmatch(self._header, partial=True) is None:
             self._abandon_header()
 
+    @property
+    def _ended(self) -> bool:
+        """The message closed; what follows (only with ignore_eos) is plain content."""
+        return not self._stack
+
     def _marker(self, marker: str) -> None:
+        if marker in self._drop or self._ended:  # after the end no header is read: text streams on
+            return
         if self._header is not None:
             if marker == SEP:
                 self._complete_header()
@@ -100,25 +107,24 @@ class XtmlReplyParser(ReplyParser):
         elif marker == END_OF_MSG:
             self._flush_stray()
             self._pop_to(0)
-        else:  # a stray <|sep|>
-            self._channel_text(marker)
+        # a stray <|sep|> is dropped
 
     def _abandon_header(self) -> None:
-        raw, self._header = self._header_kind + self._header, None
-        self._channel_text(raw)
+        """Text after <|open|>/<|close|> that is no header: the text stays, the marker goes."""
+        text, self._header = self._header, None
+        self._channel_text(text)
 
     def _complete_header(self) -> None:
         header, self._header = self._header, None
-        raw = self._header_kind + header + SEP
         pattern = _OPEN_HEADER if self._header_kind == OPEN else _CLOSE_HEADER
         if pattern.fullmatch(header) is None:
-            self._channel_text(raw)
+            self._channel_text(header)
             return
         tag = header.split(" ", 1)[0]
         attrs = {k: unescape_attr(v) for k, v in _ATTR.findall(header[len(tag):])}
-        ok = self._open(tag, attrs) if self._header_kind == OPEN else self._close(tag)
-        if not ok:
-            self._channel_text(raw)
+        fits = self._open(tag, attrs) if self._header_kind == OPEN else self._close(tag)
+        if not fits:  # an element that fits nowhere: its text, no markers
+            self._channel_text(header)
         self._fresh = False
 
     # --- structure ------------------------------------------------------------------------------
@@ -187,6 +193,7 @@ class XtmlReplyParser(ReplyParser):
             self._arguments(call.index, "{}")
         elif call.mode == "args":
             self._arguments(call.index, "}")
+        self._commit_call()
 
     # --- text -----------------------------------------------------------------------------------
     def _channel_text(self, text: str) -> None:
@@ -202,13 +209,27 @@ class XtmlReplyParser(ReplyParser):
                 self._arguments(self._call.index, compact_json(text)[1:-1])
         elif top == "json":
             self._arguments(self._call.index, text)
+        elif top is None:
+            self._content(text)
         else:
-            self._stray += text
+            self._stray_text(text)
         if text.strip():
             self._fresh = False
 
+    def _stray_text(self, text: str) -> None:
+        """Text between elements is content when the run between the two elements is more than
+        whitespace: it goes out up to its last non-blank character at once; trailing whitespace
+        waits for the run's end (a blank run is dropped)."""
+        self._stray += text
+        body = self._stray.rstrip()
+        if body:
+            self._content(body)
+            self._stray = self._stray[len(body):]
+            self._stray_live = True
+
     def _flush_stray(self) -> None:
-        """Text between elements: whitespace is dropped, anything else kept as content."""
+        """The run of text between elements ends."""
         stray, self._stray = self._stray, ""
-        if stray.strip():
+        if self._stray_live or stray.strip():
             self._content(stray)
+        self._stray_live = False
