@@ -9,6 +9,7 @@ from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
 from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, fuse_linears, linear
 from tidal.ops.mla import mla_absorbed_attention, mla_naive_attention, mla_paged_decode
+from tidal.ops.mla_tiled import mla_tiled_attention
 
 
 class KimiMLA(nn.Module):
@@ -60,8 +61,9 @@ class KimiMLA(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; appends this step's latents to ``batch.cache``.
 
-        Decode sequences (one new token) share one weight-absorbed call; longer queries use the
-        expanded kernel, which amortises expanding k/v over their many queries."""
+        Decode sequences (one new token) share one weight-absorbed call; longer queries run one by
+        one. Over the pool's pages both read the cache in key tiles (memory bounded by the chunk,
+        not the context); over a SimpleCache the reference kernels run."""
         T, n = x.shape[0], self.num_heads
         q, kv, gate = self._project(x)
         q_nope, q_pe = q.reshape(T, n, self.qk_nope + self.qk_rope).split([self.qk_nope, self.qk_rope], dim=-1)
@@ -69,9 +71,9 @@ class KimiMLA(nn.Module):
         batch.cache.mla_write(self.mla_index, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
         w = self.kv_b_proj.weight
         out = x.new_empty(T, n, self.v_dim)
+        paged = getattr(batch.cache, "mla_pages", None)  # a paged cache: read the pages in place
         if batch.decode_seqs:
             rows = batch.decode_tokens(x.device)
-            paged = getattr(batch.cache, "mla_pages", None)  # a paged cache: read the pages in place
             if paged is not None:
                 pages = paged(self.mla_index, batch.decode_seqs)
                 out[rows] = mla_paged_decode(q_nope[rows], q_pe[rows], *pages, w, self.scale)
@@ -81,8 +83,13 @@ class KimiMLA(nn.Module):
                 out[rows] = o[:, 0]
         for b in batch.prefill_seqs:
             sl = batch.token_slice(b)
-            latents = batch.cache.mla_read(self.mla_index, b)
-            out[sl] = mla_naive_attention(q_nope[sl], q_pe[sl], latents, w, self.scale)
+            if paged is not None:
+                pages, table, _ = paged(self.mla_index, [b])
+                length = batch.cached_lens[b] + batch.query_lens[b]
+                out[sl] = mla_tiled_attention(q_nope[None, sl], q_pe[None, sl], pages, table, [length], w, self.scale)[0]
+            else:
+                latents = batch.cache.mla_read(self.mla_index, b)
+                out[sl] = mla_naive_attention(q_nope[sl], q_pe[sl], latents, w, self.scale)
         out = out.reshape(T, n * self.v_dim)
         if gate is not None:
             cdt = compute_dtype(x.dtype)

@@ -135,15 +135,18 @@ def mla_paged_decode(
     """One decode query per sequence against its paged cache: q_nope [B, n, d_nope], q_pe [B, n,
     d_rope], pages/table/lengths as :func:`gather_pages` -> [B, n, d_v].
 
-    On the CPU a C kernel reads the pages in place (``tidal.ops.cpu_kernels``); elsewhere the rows
-    are gathered and :func:`mla_absorbed_attention` runs (the same math; the tests compare them)."""
+    On the CPU a C kernel reads the pages in place (``tidal.ops.cpu_kernels``); elsewhere the
+    absorbed form runs over key tiles of the pages (:mod:`tidal.ops.mla_tiled`): no copy padded to
+    the longest sequence (the same math; the tests compare them)."""
+    from tidal.ops.mla_tiled import mla_tiled_attention  # it builds on this module's split_kv_b
+
     B, n, dn = q_nope.shape
     cdt = compute_dtype(q_nope.dtype)
     w_uk, w_uv = split_kv_b(kv_b_weight.to(cdt), n, dn)
     query = torch.cat([torch.einsum("bnd,ndr->bnr", q_nope.to(cdt), w_uk), q_pe.to(cdt)], dim=-1)
     kernel = mla_decode_for(pages, query) if cdt == torch.float32 else None
     if kernel is None:
-        latents = gather_pages(pages, table, lengths)
-        return mla_absorbed_attention(q_nope[:, None], q_pe[:, None], latents, lengths, kv_b_weight, scale)[:, 0]
+        return mla_tiled_attention(q_nope[:, None], q_pe[:, None], pages, table, lengths.tolist(), kv_b_weight,
+                                   scale, absorbed=True)[:, 0]
     o_lat = kernel(pages, table, lengths, query, w_uk.shape[-1], scale)
     return torch.einsum("bnr,nvr->bnv", o_lat, w_uv).to(q_nope.dtype)
