@@ -11,7 +11,9 @@ import torch
 from tidal.config import parse_dtype
 from tidal.engine.core import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, EngineCore
 from tidal.engine.request import RequestOutput
+from tidal.model.checkpoint import resolve_quantization
 from tidal.model.kimi import KimiForCausalLM
+from tidal.model.moe import pack_experts
 from tidal.sampling_params import SamplingParams
 
 PromptType = Union[str, dict[str, Any]]
@@ -34,6 +36,9 @@ class LLM:
     with ``encode``/``decode``; by default the checkpoint's ``tokenizer.json`` unless
     ``skip_tokenizer_init``. ``kv_cache_memory_bytes`` sets the memory pool size exactly.
     ``enable_prefix_caching`` / ``prefix_snapshot_interval``: see :class:`EngineConfig`.
+    ``quantization`` (vLLM's): "mxfp4" keeps the routed experts packed in MXFP4, quantising dense
+    ones; None follows the checkpoint (MXFP4 experts stay packed). An in-memory model is used as it
+    is unless "mxfp4" is asked.
     """
 
     def __init__(
@@ -50,18 +55,22 @@ class LLM:
         tokenizer: Any | None = None,
         enable_prefix_caching: bool = True,
         prefix_snapshot_interval: int | None = None,
+        quantization: str | None = None,
     ) -> None:
         device = torch.device(device) if device is not None else torch.device("cpu")
         if isinstance(model, torch.nn.Module):
             net = model
             if dtype is not None and net.dtype != parse_dtype(dtype):
                 net = net.to_dtype(parse_dtype(dtype))
+            if resolve_quantization(net.config, quantization) == "mxfp4" and quantization is not None:
+                pack_experts(net)
             model_dir = None
         else:
-            from tidal.model.checkpoint import load_model
+            from tidal.model.checkpoint import load_model, read_config
 
             model_dir = Path(model) if model is not None else _default_model_dir()
-            net = load_model(model_dir, parse_dtype(dtype or "float32"), device)
+            quantization = resolve_quantization(read_config(model_dir), quantization)
+            net = load_model(model_dir, parse_dtype(dtype or "float32"), device, quantization=quantization)
         if tokenizer is None and model_dir is not None and not skip_tokenizer_init:
             from tidal.tokenizer import load_tokenizer
 

@@ -29,7 +29,8 @@ from torch import nn
 from tidal.config import EXPERT_FORMATS, ConfigError, ModelConfig, parse_dtype
 from tidal.model.kimi import FP32_PARAMS, KimiForCausalLM
 from tidal.model.layers import compute_dtype
-from tidal.ops.mxfp import BLOCK, dequantize_mxfp4, quantize_mxfp4
+from tidal.model.moe import PackedExperts, pack_experts
+from tidal.ops.mxfp import BLOCK, E8M0_NAN, dequantize_mxfp4, quantize_mxfp4
 
 log = logging.getLogger("tidal.load")
 
@@ -190,6 +191,7 @@ class _Checkpoint:
     handles: dict[str, Any]
     where: dict[str, str]
     on_disk: dict[str, str] = field(default_factory=dict)  # layout name -> the name in the file, where they differ
+    headers: dict[str, tuple[int, dict[str, Any]]] = field(default_factory=dict)  # file -> (data start, header)
 
     def file(self, name: str) -> Path:
         return self.root / self.where[name]
@@ -200,11 +202,34 @@ class _Checkpoint:
     def slice(self, name: str) -> Any:
         return self.handles[self.where[name]].get_slice(self.disk_name(name))
 
-    def tensor(self, name: str) -> torch.Tensor:
-        return self.handles[self.where[name]].get_tensor(self.disk_name(name))
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` in a fresh buffer, read with plain file reads. Copying out of the memory
+        map instead would make its pages resident too: peak RSS twice the weights, not once."""
+        file = self.where[name]
+        if file not in self.headers:
+            self.headers[file] = _data_start(self.root / file)
+        start, header = self.headers[file]
+        info = header[self.disk_name(name)]
+        begin, end = info["data_offsets"]
+        buf = bytearray(end - begin)
+        with open(self.root / file, "rb") as f:
+            f.seek(start + begin)
+            if f.readinto(buf) != len(buf):
+                raise CheckpointError(f"tensor '{name}' in {self.root / file} ends past the end of the file")
+        dtype = _ST_DTYPES[info["dtype"]]
+        if not buf:
+            return torch.empty(info["shape"], dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
 
 
-def _read_config(model_dir: Path) -> ModelConfig:
+def _data_start(path: Path) -> tuple[int, dict[str, Any]]:
+    """(offset of the data section, header) of a safetensors file, already opened and checked."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n, json.loads(f.read(n))
+
+
+def read_config(model_dir: Path) -> ModelConfig:
     path = model_dir / "config.json"
     try:
         return ModelConfig.from_file(path)
@@ -380,18 +405,44 @@ def _one_thread():
         torch.set_num_threads(before)
 
 
+QUANTIZATIONS = ("mxfp4",)
+
+
+def resolve_quantization(config: ModelConfig, quantization: str | None) -> str | None:
+    """The experts' in-memory format for serving (vLLM's ``--quantization``): "mxfp4" when asked or
+    when the checkpoint's ``quantization_config`` says so, else None (dense experts)."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not supported; choose one of {list(QUANTIZATIONS)}")
+    if quantization == "mxfp4" and not config.num_experts:
+        raise ValueError("quantization 'mxfp4' packs routed experts, and this model has none")
+    if quantization is None and config.expert_format == MXFP4 and config.num_experts:
+        return "mxfp4"
+    return quantization
+
+
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+    model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+    quantization: str | None = None,
 ) -> KimiForCausalLM:
     """Read config.json and the safetensors weights into a model in ``dtype`` (FP32_PARAMS stay at
-    float32 or wider, as ``KimiForCausalLM.to_dtype``), on ``device``. Routed MXFP4 experts are
-    dequantised exactly. The model is built on the meta device and each parameter is allocated once."""
+    float32 or wider, as ``KimiForCausalLM.to_dtype``), on ``device``. The model is built on the meta
+    device and each parameter is allocated once.
+
+    ``quantization`` None: routed experts dense in ``dtype`` (MXFP4 ones dequantised exactly).
+    "mxfp4": routed experts kept packed (:class:`~tidal.model.moe.PackedExperts`): an MXFP4
+    checkpoint's codes and scales are copied as they are, a dense checkpoint's experts are quantised
+    from their float32 values (the rounding of ``tidal quantize``); no dense copy is ever made."""
     root = Path(model_dir)
-    config = _read_config(root)
+    config = read_config(root)
     layout = _layout(config)
     device = torch.device(device)
+    keep_packed = quantization is not None and resolve_quantization(config, quantization) == "mxfp4"
     with torch.device("meta"):
         model = KimiForCausalLM(config).to_dtype(dtype)
+        if keep_packed:
+            pack_experts(model)
+    if keep_packed:
+        _materialise_packed(model, device)
     targets = model.state_dict(keep_vars=True)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_one_thread())
@@ -401,9 +452,12 @@ def load_model(
         filled: dict[str, torch.Tensor] = {}
         pending: dict[tuple[str, int], torch.Tensor] = {}  # MXFP4 half waiting for its other half
         for name, (spec, src) in layout.items():
-            target = targets[src.param]
-            tensor = ckpt.tensor(name)  # a view of the memory map
+            tensor = ckpt.read(name)
             progress.add(tensor)
+            if keep_packed and src.expert is not None:
+                _load_packed(model, ckpt, name, src, tensor)
+                continue
+            target = targets[src.param]
             out = filled.get(src.param)
             if out is None:
                 out = filled[src.param] = torch.empty(target.shape, dtype=target.dtype, device=device)
@@ -429,6 +483,29 @@ def load_model(
     _install(model, filled)
     progress.done()
     return model
+
+
+def _materialise_packed(model: KimiForCausalLM, device: torch.device) -> None:
+    """Give every PackedExperts uninitialised uint8 buffers on ``device`` (the loader fills them)."""
+    for module in model.modules():
+        if isinstance(module, PackedExperts):
+            for name, buf in module._buffers.items():
+                module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+
+
+def _load_packed(model: KimiForCausalLM, ckpt: _Checkpoint, name: str, src: _Source, tensor: torch.Tensor) -> None:
+    """One expert's checkpoint tensor into its PackedExperts slice: codes and scales as they are
+    (scale byte 255, NaN, refused), a dense weight quantised from float32."""
+    module_name, _, leaf = src.param.rpartition(".")
+    experts = model.get_submodule(module_name)
+    assert isinstance(experts, PackedExperts)
+    if src.part == "weight":
+        experts.set_expert_weights(leaf, src.expert, tensor.to(torch.float32))
+        return
+    if src.part == "scale" and bool((tensor == E8M0_NAN).any()):
+        where = tuple(int(i) for i in (tensor == E8M0_NAN).nonzero()[0])
+        raise CheckpointError(f"tensor '{name}' in {ckpt.file(name)}: scale byte 255 (E8M0 NaN) at index {where}")
+    experts.target(leaf, src.part)[src.expert].copy_(tensor)
 
 
 def _install(model: KimiForCausalLM, tensors: dict[str, torch.Tensor]) -> None:
@@ -510,7 +587,7 @@ def save_model(
     ]
     quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for file, names in zip(files, shards):
-        tensors = {name: _disk_tensor(state, quantized, *layout[name]) for name in names}
+        tensors = {name: _disk_tensor(model, state, quantized, *layout[name]) for name in names}
         save_file(tensors, str(out / file), metadata={"format": "pt"})
     if max_shard_bytes is not None:
         index = {
@@ -523,12 +600,21 @@ def save_model(
 
 
 def _disk_tensor(
-    state: dict[str, torch.Tensor], quantized: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    model: KimiForCausalLM, state: dict[str, torch.Tensor], quantized: dict[str, tuple[torch.Tensor, torch.Tensor]],
     spec: TensorSpec, src: _Source,
 ) -> torch.Tensor:
     """The on-disk tensor for one layout entry, on the CPU (expert slices are copied: safetensors
     refuses tensors that share storage).
-    MXFP4 experts are quantised once per stacked weight; only the latest one is kept."""
+    MXFP4 experts are quantised once per stacked weight; only the latest one is kept. Packed experts
+    are written as they are (or dequantised, for a dense checkpoint)."""
+    if src.param not in state and src.expert is not None:
+        module_name, _, leaf = src.param.rpartition(".")
+        experts = model.get_submodule(module_name)
+        assert isinstance(experts, PackedExperts)
+        codes, scales = (experts.target(leaf, part)[src.expert].cpu() for part in ("packed", "scale"))
+        if src.part == "weight":
+            return dequantize_mxfp4(codes, scales, spec.dtype)
+        return (codes if src.part == "packed" else scales).clone()
     t = state[src.param].detach()
     if src.part == "weight":
         if src.expert is None:

@@ -17,7 +17,9 @@ from torch.nn.utils import parametrize
 from tidal.config import ModelConfig
 from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, fuse_linears, linear
 from tidal.ops.activation import can_overwrite, situ, swiglu
+from tidal.ops import mxfp4_moe
 from tidal.ops.cpu_kernels import grouped_gemm_for
+from tidal.ops.mxfp import BLOCK, quantize_mxfp4
 
 # With the C grouped matmul, decode batches whose experts get at most this many rows each use it.
 FEW_ROWS = 16
@@ -256,6 +258,80 @@ class Experts(nn.Module):
         """out[token_of[i]] += w[i] * y[i] in out's dtype, in the order of i."""
         y, w = y.to(out.dtype), w.to(out.dtype)[:, None]
         return out.index_add_(0, token_of, y.mul_(w) if can_overwrite(y, w) else y * w)
+
+
+class PackedExperts(nn.Module):
+    """The routed experts kept in MXFP4 as the checkpoint stores them (compressed-tensors layout,
+    ``tidal.ops.mxfp``), gate and up stacked: ``w13_weight_packed`` [E, 2I, d_e/2] (rows :I are w1,
+    I: are w3), ``w13_weight_scale`` [E, 2I, d_e/32], ``w2_weight_packed`` [E, d_e, I/2],
+    ``w2_weight_scale`` [E, d_e, I/32], all uint8. Same routing sums as :class:`Experts`; the products
+    run in ``tidal.ops.mxfp4_moe`` (float32 accumulation of the exact weight values)."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        E, d, inter = config.num_experts, config.expert_hidden_size, config.moe_intermediate_size
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.register_buffer("w13_weight_packed", torch.zeros(E, 2 * inter, d // 2, **u8))
+        self.register_buffer("w13_weight_scale", torch.zeros(E, 2 * inter, d // BLOCK, **u8))
+        self.register_buffer("w2_weight_packed", torch.zeros(E, d, inter // 2, **u8))
+        self.register_buffer("w2_weight_scale", torch.zeros(E, d, inter // BLOCK, **u8))
+
+    @classmethod
+    def from_dense(cls, experts: Experts) -> "PackedExperts":
+        """Quantise dense experts (the rounding of ``tidal quantize``: from their float32 values)."""
+        w = experts.w1
+        packed = cls(experts.config, w.device)
+        if not w.is_meta:
+            packed.set_expert_weights("w1", slice(None), experts.w1.detach().float())
+            packed.set_expert_weights("w3", slice(None), experts.w3.detach().float())
+            packed.set_expert_weights("w2", slice(None), experts.w2.detach().float())
+        return packed
+
+    def target(self, leaf: str, part: str) -> torch.Tensor:
+        """The slice of a buffer that holds checkpoint weight ``leaf`` (w1/w2/w3) of every expert,
+        as its ``part`` ("packed" or "scale"): [E, out, ...]."""
+        suffix = "weight_packed" if part == "packed" else "weight_scale"
+        if leaf == "w2":
+            return getattr(self, f"w2_{suffix}")
+        inter = self.config.moe_intermediate_size
+        buf = getattr(self, f"w13_{suffix}")
+        return buf[:, :inter] if leaf == "w1" else buf[:, inter:]
+
+    def set_expert_weights(self, leaf: str, expert: int | slice, weight: torch.Tensor) -> None:
+        """Quantise float weight(s) [out, in] (or [E, out, in]) into expert(s) ``expert`` of ``leaf``."""
+        packed, scales = quantize_mxfp4(weight)
+        self.target(leaf, "packed")[expert].copy_(packed)
+        self.target(leaf, "scale")[expert].copy_(scales)
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """As :meth:`Experts.forward`; a row's result in decode-sized batches does not depend on the
+        other rows at all (bitwise: see ``tidal.ops.mxfp4_moe``)."""
+        T, k = ids.shape
+        out = torch.zeros(T, h.shape[-1], dtype=compute_dtype(h.dtype), device=h.device)
+        if T == 0:
+            return out
+        order, experts, counts = group_by_expert(ids)
+        token_of = order // k
+        offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum_(0)
+        expert_ids = torch.tensor(experts, dtype=torch.int64)
+
+        def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+            return mxfp4_moe.grouped_matmul(x, offsets, expert_ids, counts, experts, packed, scales)
+
+        x = h.index_select(0, token_of) if T * k > 1 else h
+        gate, up = matmul(x, self.w13_weight_packed, self.w13_weight_scale).tensor_split(2, dim=1)
+        y = matmul(activate(self.config, gate, up), self.w2_weight_packed, self.w2_weight_scale)
+        return Experts._add_weighted(out, token_of, y, weights.reshape(-1)[order])
+
+
+def pack_experts(model: nn.Module) -> nn.Module:
+    """Replace every dense :class:`Experts` in ``model`` by :class:`PackedExperts` (quantising their
+    values; on the meta device only the shapes)."""
+    for module in model.modules():
+        if isinstance(module, KimiMoE) and isinstance(module.experts, Experts):
+            module.experts = PackedExperts.from_dense(module.experts)
+    return model
 
 
 class KimiMoE(nn.Module):

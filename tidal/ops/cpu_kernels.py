@@ -2,9 +2,12 @@
 
 A kernel is compiled once with the system C compiler (``cc -O3 -march=native -fopenmp``) into
 ``$TIDAL_CACHE_DIR`` (default ``~/.cache/tidal/kernels``, keyed by a hash of the source and flags)
-and called through ctypes on raw pointers. Where no compiler works, or ``TIDAL_CPU_KERNELS=0``,
-:func:`kda_decode_kernel` returns None and the torch form runs instead (same math; the tests
-compare the two). Sources live in ``tidal/ops/csrc``.
+and called through ctypes on raw pointers. Where the native build fails, or ``TIDAL_CPU_PORTABLE=1``,
+the kernel is built without ``-march=native`` (the portable path: plain C, same results within
+rounding). Where no compiler works, or ``TIDAL_CPU_KERNELS=0``, the ``*_kernel`` functions return
+None and the torch form runs instead (same math; the tests compare the two). Sources live in
+``tidal/ops/csrc``. Their OpenMP threads share torch's runtime, whose waits tidal makes passive
+(``tidal/__init__.py``): on a shared CPU a spinning barrier multiplies the step time.
 """
 
 from __future__ import annotations
@@ -26,39 +29,54 @@ import torch
 logger = logging.getLogger("tidal.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+PORTABLE_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+FLAGS = [*PORTABLE_FLAGS[:1], "-march=native", *PORTABLE_FLAGS[1:]]
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("TIDAL_CACHE_DIR", Path.home() / ".cache" / "tidal")) / "kernels"
 
 
+def portable_only() -> bool:
+    """``TIDAL_CPU_PORTABLE=1``: build every kernel without ``-march=native``."""
+    return os.environ.get("TIDAL_CPU_PORTABLE", "0") == "1"
+
+
 @cache
 def _library(name: str) -> ctypes.CDLL | None:
-    """Build (once) and load ``csrc/<name>.c``; None when disabled or the build fails."""
+    """Build (once) and load ``csrc/<name>.c``, native first, then portable; None when disabled or
+    both builds fail."""
     if os.environ.get("TIDAL_CPU_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found: the torch form of %s runs instead (slower)", name)
         return None
+    for flags in ([PORTABLE_FLAGS] if portable_only() else [FLAGS, PORTABLE_FLAGS]):
+        lib = _build(compiler, name, flags)
+        if lib is not None:
+            return lib
+    return None
+
+
+def _build(compiler: str, name: str, flags: list[str]) -> ctypes.CDLL | None:
     source = (CSRC / f"{name}.c").read_bytes()
     # -march=native: the CPU's features belong in the key (a shared home directory, another CPU).
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, _cpu_features()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_features()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                subprocess.run([compiler, *FLAGS, str(CSRC / f"{name}.c"), "-o", str(built), "-lm"],
+                subprocess.run([compiler, *flags, str(CSRC / f"{name}.c"), "-o", str(built), "-lm"],
                                check=True, capture_output=True, timeout=120)
                 os.replace(built, target)  # atomic: concurrent builders never load a partial file
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
-        logger.warning("building the C kernel %s failed (%s %s): the torch form runs instead",
-                       name, e, detail.decode(errors="replace")[-500:])
+        logger.warning("building the C kernel %s with %s failed (%s %s)", name, " ".join(flags), e,
+                       detail.decode(errors="replace")[-500:])
         return None
 
 
@@ -176,3 +194,31 @@ def grouped_gemm_for(x: torch.Tensor, *weights: torch.Tensor) -> Callable[..., t
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return None
     return grouped_gemm_kernel()
+
+
+@cache
+def mxfp4_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
+    """(grouped matmul, dequantise) straight from packed MXFP4 experts (see csrc/mxfp4_gemm.c), or
+    None where they are unavailable."""
+    gemm_fn = _function("mxfp4_gemm", "mxfp4_grouped_gemm",
+                        [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int])
+    deq_fn = _function("mxfp4_gemm", "mxfp4_dequantize", [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, ctypes.c_int])
+    if gemm_fn is None or deq_fn is None:
+        return None
+
+    def gemm(x: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor,
+             scales: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.float32).contiguous()
+        N = packed.shape[1]
+        out = torch.empty(x.shape[0], N, dtype=torch.float32)
+        gemm_fn(_ptr(x), x.shape[1], _ptr(offsets), _ptr(experts), experts.shape[0], _ptr(packed), _ptr(scales), N,
+                _ptr(out), torch.get_num_threads())
+        return out
+
+    def dequantize(experts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        N, K = packed.shape[1], packed.shape[2] * 2
+        out = torch.empty(experts.shape[0], N, K, dtype=torch.float32)
+        deq_fn(_ptr(experts), experts.shape[0], _ptr(packed), _ptr(scales), N, K, _ptr(out), torch.get_num_threads())
+        return out
+
+    return gemm, dequantize

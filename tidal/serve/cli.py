@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model name(s) clients use; the first is reported (default: MODEL_DIR, or tidal-embedded)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and cache dtype (auto: bfloat16 on a GPU, float32 on a CPU)")
+    p.add_argument("--quantization", "-q", default=None, choices=["mxfp4"],
+                   help="routed experts kept packed in this format (default: the checkpoint's "
+                        "quantization_config; mxfp4 packs a dense checkpoint's experts at load)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda when available)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="memory pool size in bytes")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     model_dir = Path(args.model_dir) if args.model_dir else embedded_model_dir()
     try:
-        llm = LLM(model_dir, dtype=dtype, device=device, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        llm = LLM(model_dir, dtype=dtype, device=device, quantization=args.quantization,
+                  kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                   max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
                   enable_prefix_caching=args.enable_prefix_caching,

@@ -1,0 +1,162 @@
+"""Packed MXFP4 experts (tidal.ops.mxfp4_moe, csrc/mxfp4_gemm.c, PackedExperts) against a float64
+reference on fresh random codes and scales; torch form == C kernel; batch invariance; fallbacks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tidal.ops import cpu_kernels, mxfp4_moe
+from tidal.ops.mxfp import E2M1_VALUES
+
+# Scale bytes of every class: the subnormal 2^-127 (0), the smallest normals, around 1.0 (127), and
+# large ones; 255 (NaN) is refused by the loader, and from 253 up the largest codes overflow float32
+# (as dequantize's values do).
+SCALE_CLASSES = torch.tensor([0, 1, 2, 60, 100, 120, 125, 126, 127, 128, 129, 135, 150, 200, 250, 252],
+                             dtype=torch.uint8)
+
+
+def random_experts(gen: torch.Generator, E: int, N: int, K: int, scale_bytes: torch.Tensor | None = None):
+    packed = torch.randint(0, 256, (E, N, K // 2), generator=gen, dtype=torch.uint8)
+    if scale_bytes is None:  # near 1.0: outputs stay in a range where fp32 rounding is the only error
+        scales = torch.randint(118, 131, (E, N, K // 32), generator=gen, dtype=torch.uint8)
+    else:
+        pick = torch.randint(0, len(scale_bytes), (E, N, K // 32), generator=gen)
+        scales = scale_bytes[pick]
+    return packed, scales
+
+
+def reference(x: torch.Tensor, counts: list[int], experts: list[int], packed: torch.Tensor,
+              scales: torch.Tensor) -> torch.Tensor:
+    """float64, element by element from the codes: low nibble = even column; scale 2^(s-127)."""
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2).long()  # [E, N, K]
+    s = scales.double()
+    scale = torch.where(scales == 0, torch.tensor(2.0**-127, dtype=torch.float64), torch.exp2(s - 127))
+    w = values[codes] * scale.repeat_interleave(32, dim=-1)
+    return torch.cat([r.double() @ w[e].t() for e, r in zip(experts, x.double().split(counts))])
+
+
+def groups(gen: torch.Generator, E: int, counts: list[int]):
+    experts = sorted(torch.randperm(E, generator=gen)[: len(counts)].tolist())
+    offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+    return experts, offsets, torch.tensor(experts, dtype=torch.int64)
+
+
+@pytest.fixture()
+def kernels():
+    k = cpu_kernels.mxfp4_kernels()
+    if k is None:
+        pytest.skip("no C compiler here: the torch form runs")
+    return k
+
+
+def tolerance(x: torch.Tensor, ref_abs: torch.Tensor) -> torch.Tensor:
+    """fp32 rounding of a K-term sum: a few ulps of the sum of |terms|."""
+    return 1e-6 * x.shape[1] * ref_abs + 1e-30
+
+
+def check(out: torch.Tensor, x, counts, experts, packed, scales) -> None:
+    ref = reference(x, counts, experts, packed, scales)
+    ref_abs = reference(x.abs(), counts, experts, packed & 0x77, scales)  # codes without sign bits
+    err = (out.double() - ref).abs()
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert bool((err <= tolerance(x, ref_abs)).all()), f"max error {err.max()}"
+
+
+@pytest.mark.parametrize("N,K,counts", [(7, 32, [1]), (65, 96, [3, 1, 16]), (130, 384, [1, 1, 1, 1]),
+                                        (33, 64, [5, 2]), (64, 160, [40, 1])])
+def test_kernel_matches_float64_reference(kernels, N, K, counts):
+    """Odd shapes (N not a multiple of the chunk, K of 8 lanes x 4), 1 and many rows per expert."""
+    gen = torch.Generator().manual_seed(N * K)
+    packed, scales = random_experts(gen, 6, N, K)
+    experts, offsets, ids = groups(gen, 6, counts)
+    x = torch.randn(sum(counts), K, generator=gen)
+    check(kernels[0](x, offsets, ids, packed, scales), x, counts, experts, packed, scales)
+    check(mxfp4_moe.grouped_matmul(x, offsets, ids, counts, experts, packed, scales), x, counts, experts, packed,
+          scales)
+
+
+def test_every_scale_byte_class(kernels):
+    """Subnormal, tiny, unit and huge scales: values are exact, sums within fp32 rounding."""
+    gen = torch.Generator().manual_seed(3)
+    packed, scales = random_experts(gen, 3, 40, 256, SCALE_CLASSES)
+    counts = [2, 1, 3]
+    experts, offsets, ids = groups(gen, 3, counts)
+    x = torch.randn(6, 256, generator=gen) * 2.0**-20  # sums stay finite at scale 2^125
+    check(kernels[0](x, offsets, ids, packed, scales), x, counts, experts, packed, scales)
+    # every block value itself, through dequantize: one-hot rows pick columns
+    eye = torch.eye(256)[:32]
+    for e in range(3):
+        one = torch.tensor([0, 32]), torch.tensor([e])
+        got = kernels[0](eye, *one, packed, scales)
+        assert torch.equal(got.double(), reference(eye, [32], [e], packed, scales))
+    assert torch.equal(kernels[1](torch.tensor([2, 0]), packed, scales).double()[1],
+                       reference(torch.eye(256), [256], [0], packed, scales).t())
+
+
+def test_torch_form_matches_c_kernel(kernels):
+    gen = torch.Generator().manual_seed(4)
+    packed, scales = random_experts(gen, 8, 96, 128)
+    counts = [1, 4, 2, 20]
+    experts, offsets, ids = groups(gen, 8, counts)
+    x = torch.randn(sum(counts), 128, generator=gen)
+    c = mxfp4_moe.grouped_matmul(x, offsets, ids, counts, experts, packed, scales)
+    t = mxfp4_moe.grouped_matmul_torch(x, counts, experts, packed, scales)
+    torch.testing.assert_close(c, t, rtol=1e-5, atol=1e-5)
+
+
+def test_row_alone_equals_row_in_a_batch_bitwise(kernels):
+    """Every row of a decode batch == the same row computed alone, and thread count changes nothing."""
+    gen = torch.Generator().manual_seed(5)
+    packed, scales = random_experts(gen, 5, 200, 384)
+    counts = [3, 9, 1, 12]
+    experts, offsets, ids = groups(gen, 5, counts)
+    x = torch.randn(sum(counts), 384, generator=gen)
+    batch = kernels[0](x, offsets, ids, packed, scales)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        start = 0
+        for g, n in enumerate(counts):
+            for t in range(start, start + n):
+                alone = kernels[0](x[t : t + 1], torch.tensor([0, 1]), ids[g : g + 1], packed, scales)
+                assert torch.equal(alone[0], batch[t])
+            start += n
+    finally:
+        torch.set_num_threads(before)
+
+
+FALLBACK_SCRIPT = """
+import torch
+from tidal.ops import cpu_kernels, mxfp4_moe
+from tidal.ops.mxfp import dequantize_mxfp4
+torch.manual_seed(0)
+packed = torch.randint(0, 256, (3, 40, 32), dtype=torch.uint8)
+scales = torch.randint(120, 130, (3, 40, 2), dtype=torch.uint8)
+x = torch.randn(5, 64)
+k = cpu_kernels.mxfp4_kernels()
+out = mxfp4_moe.grouped_matmul(x, torch.tensor([0, 2, 5]), torch.tensor([0, 2]), [2, 3], [0, 2], packed, scales)
+ref = torch.cat([x[:2] @ dequantize_mxfp4(packed[0], scales[0], torch.float32).t(),
+                 x[2:] @ dequantize_mxfp4(packed[2], scales[2], torch.float32).t()])
+torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+print("kernel" if k is not None else "torch")
+"""
+
+
+@pytest.mark.parametrize("env,expect", [({"TIDAL_CPU_KERNELS": "0"}, "torch"), ({"TIDAL_CPU_PORTABLE": "1"}, "kernel")])
+def test_clean_fallbacks(tmp_path, env, expect):
+    """Kernels off: the torch form runs. Portable forced: the kernel is built without -march=native."""
+    if expect == "kernel" and cpu_kernels.mxfp4_kernels() is None:
+        pytest.skip("no C compiler here")
+    full = {**os.environ, "TIDAL_CACHE_DIR": str(tmp_path), **env}
+    run = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], env=full, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == expect
+    built = list((tmp_path / "kernels").glob("mxfp4_gemm-*.so"))
+    assert len(built) == (1 if expect == "kernel" else 0)

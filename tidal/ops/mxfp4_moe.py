@@ -1,0 +1,65 @@
+"""Grouped matmul of activation rows by packed MXFP4 expert weights: the one dispatch seam of the
+packed routed experts (``tidal.model.moe.PackedExperts``).
+
+Rows come sorted by expert: group g is rows offsets[g] .. offsets[g+1]-1, multiplied by expert
+experts[g]'s weight, given as packed [E, N, K/2] and scales [E, N, K/32] uint8 (``tidal.ops.mxfp``
+layout). Backends, all returning float32 [S, N]:
+
+- the C kernel (``csrc/mxfp4_gemm.c``) for decode-sized groups: decodes each weight block in
+  registers and streams the packed bytes once for the group's rows; each row bitwise independent of
+  the other rows;
+- bigger groups (prefill): each active expert decoded to float32 (by the C kernel, else torch) and
+  multiplied by BLAS, which beats a hand loop once a weight is reused over many rows;
+- :func:`grouped_matmul_torch`: the torch form (no compiler, ``TIDAL_CPU_KERNELS=0``, other devices),
+  which dequantises only the active experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tidal.ops.cpu_kernels import mxfp4_kernels
+from tidal.ops.mxfp import dequantize_mxfp4
+
+# Groups of up to this many rows run in the C kernel; a step whose groups are all this small is one call.
+FEW_ROWS = 16
+
+
+def _applies(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and packed.device.type == "cpu" and packed.is_contiguous()
+
+
+def grouped_matmul(
+    x: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor, counts: list[int], expert_list: list[int],
+    packed: torch.Tensor, scales: torch.Tensor,
+) -> torch.Tensor:
+    """x [S, K] (rows sorted by expert; ``counts``/``expert_list`` are offsets/experts as lists) ->
+    float32 [S, N]. offsets int64 [G+1] and experts int64 [G] on the CPU."""
+    kernels = mxfp4_kernels() if _applies(x, packed) else None
+    if kernels is None:
+        return grouped_matmul_torch(x, counts, expert_list, packed, scales)
+    gemm, dequantize = kernels
+    if max(counts) <= FEW_ROWS:
+        return gemm(x, offsets, experts, packed, scales)
+    x = x.to(torch.float32)
+    out = torch.empty(x.shape[0], packed.shape[1], dtype=torch.float32)
+    start = 0
+    for i, (e, n) in enumerate(zip(expert_list, counts)):
+        rows = slice(start, start + n)
+        if n <= FEW_ROWS:
+            out[rows] = gemm(x[rows], offsets.new_tensor([0, n]), experts[i : i + 1], packed, scales)
+        else:
+            out[rows] = F.linear(x[rows], dequantize(experts[i : i + 1], packed, scales)[0])
+        start += n
+    return out
+
+
+def grouped_matmul_torch(
+    x: torch.Tensor, counts: list[int], expert_list: list[int], packed: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """The torch form: each active expert dequantised to float32 (exact) and multiplied by its rows."""
+    x = x.to(torch.float32)
+    parts = [F.linear(r, dequantize_mxfp4(packed[e], scales[e], torch.float32))
+             for e, r in zip(expert_list, x.split(counts))]
+    return torch.cat(parts) if parts else x.new_zeros(0, packed.shape[1])
