@@ -34,10 +34,11 @@ def config_90m(dtype: str) -> ModelConfig:
 
 
 def active_weight_bytes(model: KimiForCausalLM) -> int:
-    """Bytes read per decoded token: everything but the unchosen routed experts and the embedding table."""
+    """Bytes read per decoded token: everything but the unchosen routed experts and the embedding table
+    (packed MXFP4 experts are buffers: their codes and scales)."""
     c = model.config
     total = 0
-    for name, p in model.named_parameters():
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
         if "embed_tokens" in name:
             total += p.shape[-1] * p.element_size()
         elif ".experts." in name:

@@ -311,15 +311,20 @@ class PackedExperts(nn.Module):
         out = torch.zeros(T, h.shape[-1], dtype=compute_dtype(h.dtype), device=h.device)
         if T == 0:
             return out
-        order, experts, counts = group_by_expert(ids)
+        if T == 1:  # the grouping of one token: its experts in ascending order, one row each
+            expert_ids, order = ids[0].sort()
+            experts, counts = expert_ids.tolist(), [1] * k
+            offsets = torch.arange(k + 1, dtype=torch.int64)
+        else:
+            order, experts, counts = group_by_expert(ids)
+            offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum_(0)
+            expert_ids = torch.tensor(experts, dtype=torch.int64)
         token_of = order // k
-        offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum_(0)
-        expert_ids = torch.tensor(experts, dtype=torch.int64)
 
         def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
             return mxfp4_moe.grouped_matmul(x, offsets, expert_ids, counts, experts, packed, scales)
 
-        x = h.index_select(0, token_of) if T * k > 1 else h
+        x = h.index_select(0, token_of)
         gate, up = matmul(x, self.w13_weight_packed, self.w13_weight_scale).tensor_split(2, dim=1)
         y = matmul(activate(self.config, gate, up), self.w2_weight_packed, self.w2_weight_scale)
         return Experts._add_weighted(out, token_of, y, weights.reshape(-1)[order])
