@@ -53,8 +53,9 @@ def test_concurrency_sweep_writes_table_jsonl_png(server, tmp_path, capsys):
 
 def test_multiturn_row_on_chat(server, tmp_path):
     prefix = tmp_path / "agent"
-    # Prefill runs on a CPU: keep the shared prefix small.
-    rc = main(["--base-url", server, "--dataset", "multiturn", "--max-concurrency", "2", "--max-duration", "4",
+    # Prefill runs on a CPU: keep the shared prefix small. The window leaves room for two completions
+    # on a loaded 2-core machine.
+    rc = main(["--base-url", server, "--dataset", "multiturn", "--max-concurrency", "2", "--max-duration", "8",
                "--system-len", "50", "--tool-result-len", "30", "--output-len", "4", "--turns", "2,3", "--tools", "0",
                "--task-len", "20",
                "--output", str(prefix), "--no-progress", "--no-plot"])
@@ -62,4 +63,4 @@ def test_multiturn_row_on_chat(server, tmp_path):
     (row,) = read_rows(f"{prefix}.jsonl")
     assert row["endpoint"] == "chat" and row["dataset_name"] == "multiturn"
     assert row["completed"] >= 2 and row["failed"] == 0, row["error_examples"]
-    assert row["duration"] == pytest.approx(4.0, abs=0.5)
+    assert row["duration"] == pytest.approx(8.0, abs=0.5)
