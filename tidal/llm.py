@@ -56,6 +56,8 @@ class LLM:
         enable_prefix_caching: bool = True,
         prefix_snapshot_interval: int | None = None,
         quantization: str | None = None,
+        max_running_requests: int | None = None,
+        max_queued_requests: int | None = None,
     ) -> None:
         device = torch.device(device) if device is not None else torch.device("cpu")
         if isinstance(model, torch.nn.Module):
@@ -82,6 +84,8 @@ class LLM:
             page_size=page_size,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             enable_prefix_caching=enable_prefix_caching,
+            max_running_requests=max_running_requests,
+            max_queued_requests=max_queued_requests,
         )
         if prefix_snapshot_interval is not None:
             config.prefix_snapshot_interval = prefix_snapshot_interval

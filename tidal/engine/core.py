@@ -22,6 +22,7 @@ from tidal.engine.request import (
     ImageItem,
     Logprob,
     Request,
+    QueueFullError,
     RequestOutput,
     RequestTooLongError,
 )
@@ -57,6 +58,11 @@ class EngineConfig:
     # Prefill tokens between KDA state snapshots (0: only at prompt and request ends). None: the
     # plan's, derived from the model (tidal.plan.layout.prefix_snapshot_interval).
     prefix_snapshot_interval: int | None = None
+    # Backpressure (None: no cap; the pool alone bounds memory, see the README). The running set
+    # (SGLang's max_running_requests, vLLM's max_num_seqs) and the waiting queue: add_request
+    # raises QueueFullError when max_queued_requests are queued already (EngineCore.num_queued).
+    max_running_requests: int | None = None
+    max_queued_requests: int | None = None
     # Vision models: bytes of tower outputs kept by image hash (taken from the default pool budget).
     encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES
 
@@ -124,7 +130,12 @@ class EngineCore:
         if config.enable_prefix_caching:
             interval = config.prefix_snapshot_interval
             self.prefix_cache = PrefixCache(self.pool, self.plan.prefix_snapshot_interval if interval is None else interval)
-        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, self.prefix_cache)
+        for name in ("max_running_requests", "max_queued_requests"):
+            cap = getattr(config, name)
+            if cap is not None and cap < (1 if name == "max_running_requests" else 0):
+                raise ValueError(f"{name} must be >= {1 if name == 'max_running_requests' else 0}, got {cap}")
+        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, self.prefix_cache,
+                                   max_running_requests=config.max_running_requests)
         self.runner = ModelRunner(model, self.pool, self.encoder_cache)
         self.media_pad_id = self._media_pad_id(tokenizer)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -178,6 +189,13 @@ class EngineCore:
             logger.info("prefix cache: off")
         logger.info("plan:\n%s", plan_table(self.plan))
 
+    @property
+    def num_queued(self) -> int:
+        """Waiting requests beyond the running cap's free places: those the next step cannot start
+        because of the cap (without a running cap, every request not yet started)."""
+        waiting, cap = len(self.scheduler.waiting), self.config.max_running_requests
+        return waiting if cap is None else max(0, waiting - max(0, cap - len(self.scheduler.running)))
+
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
         self,
@@ -199,6 +217,13 @@ class EngineCore:
 
         ``images``: where each image's placeholder tokens (``media_pad_id``) sit in the prompt,
         with its pixels."""
+        cap = self.config.max_queued_requests
+        if cap is not None and self.num_queued >= cap:
+            self._metrics.num_requests_rejected += 1
+            raise QueueFullError(
+                f"the engine's waiting queue is full ({cap} requests, max_queued_requests) with "
+                f"{len(self.scheduler.running)} running; retry later"
+            )
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError("EngineCore takes one sample per request: add n requests with "

@@ -17,6 +17,10 @@ class RequestTooLongError(ValueError):
     """A request that can never fit (context limit or the whole pool); rejected before acceptance."""
 
 
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_queued_requests`` already: try again later (HTTP 503)."""
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

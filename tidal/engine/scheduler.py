@@ -12,7 +12,8 @@ Each step, under a token budget:
    admitted only if its state block and first chunk fit now; the first that does not fit stops
    admission (FCFS).
 
-The running-request cap is the pool: every running request holds a state block. The oldest running
+The running-request cap is the pool -- every running request holds a state block -- and, when
+set, ``max_running_requests`` (admission stops there). The oldest running
 request is never preempted while another runs, and any request accepted by the engine fits the
 pool alone, so the oldest always progresses: no livelock, and nothing ever fails for memory.
 
@@ -59,7 +60,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, pool: MemoryPool, max_num_batched_tokens: int, prefix_cache: PrefixCache | None = None
+        self, pool: MemoryPool, max_num_batched_tokens: int, prefix_cache: PrefixCache | None = None,
+        *, max_running_requests: int | None = None,
     ) -> None:
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
@@ -68,6 +70,7 @@ class Scheduler:
         self.pool = pool
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefix_cache = prefix_cache
+        self.max_running_requests = max_running_requests  # None: the pool is the only cap
         self.snapshot_interval = prefix_cache.snapshot_interval if prefix_cache is not None else 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first
@@ -172,7 +175,8 @@ class Scheduler:
         return n
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0:
+        cap = self.max_running_requests
+        while self.waiting and budget > 0 and (cap is None or len(self.running) < cap):
             req = self.waiting[0]
             hit = self._lookup(req)
             n = 0

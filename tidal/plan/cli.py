@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mamba-full-memory-ratio", type=float, default=SGLANG_DEFAULT_RATIO, metavar="R")
     ap.add_argument("--sglang-slots-per-request", type=int, default=SGLANG_DEFAULT_SLOTS_PER_REQUEST,
                     help="1: radix cache off; 3: default; 5: extra_buffer with overlap")
-    ap.add_argument("--max-running-requests", type=int, default=None, help="SGLang's cap (default: its own rule)")
+    ap.add_argument("--max-running-requests", type=int, default=None, help="cap on running requests: tidal serve's flag of that name, and SGLang's (default: "
+                         "none for tidal, SGLang's own rule for SGLang)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return ap
 

@@ -60,6 +60,7 @@ class Plan:
     sglang: SGLangSplit | None
     recommendation: Recommendation | None
     sglang_inputs: dict[str, Any] | None = None
+    running_cap: int | None = None  # --max-running-requests: tidal's and SGLang's cap on the running set
 
     @property
     def kv_tokens_per_rank(self) -> int:
@@ -76,12 +77,13 @@ class Plan:
     @property
     def max_running_requests(self) -> int:
         """SGLang: its running-request cap. tidal: requests of the workload's length, or without a
-        workload the state-bound cap (requests of one token each)."""
+        workload the state-bound cap (requests of one token each), at most --max-running-requests."""
         if self.sglang:
             if self.workload:
                 return self.sglang.max_requests(self.workload.context_len)
             return self.sglang.max_running_requests
-        return self.layout.max_requests(self.workload.context_len if self.workload else 1)
+        fit = self.layout.max_requests(self.workload.context_len if self.workload else 1)
+        return fit if self.running_cap is None else min(fit, self.running_cap)
 
     @property
     def max_context_len(self) -> int:
@@ -216,4 +218,5 @@ def _assemble(
         sglang=split,
         recommendation=rec,
         sglang_inputs=sglang_inputs,
+        running_cap=max_running_requests,
     )

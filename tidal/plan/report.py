@@ -145,6 +145,8 @@ def plan_table(p: Plan, width: int = 100) -> str:
         t.add_row(f"requests of {p.workload.context_len:,} tokens", f"{lay.max_requests(p.workload.context_len):,}")
     else:
         t.add_row("max running requests (1-token contexts)", f"{lay.max_requests(1):,}")
+    if p.running_cap is not None:
+        t.add_row("--max-running-requests caps the running set at", f"{p.running_cap:,}")
     console.print(t)
 
     if p.sglang:

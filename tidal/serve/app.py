@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 
 import tidal
 from tidal.engine.core import EngineCore
-from tidal.engine.request import RequestTooLongError
+from tidal.engine.request import QueueFullError, RequestTooLongError
 from tidal.serve import anthropic_api as anth
 from tidal.serve import openai_api as oai
 from tidal.serve import openai_protocol as proto
@@ -56,6 +56,8 @@ logger = logging.getLogger("tidal.serve")
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20
 # Routes anyone may call when --api-key is set (probes and scrapers).
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+# Retry-After of a 503 for a full waiting queue: about one engine step's worth of waiting.
+QUEUE_FULL_RETRY_AFTER_S = 1
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -169,6 +171,8 @@ class ServerState:
             raise context_length_error(limit, len(r.prompt_token_ids), r.params.max_tokens, **params) from e
         except EngineError as e:
             raise APIError(503, str(e)) from e
+        except QueueFullError as e:
+            raise APIError(503, str(e), retry_after=QUEUE_FULL_RETRY_AFTER_S) from e
         except ValueError as e:
             raise bad_request(str(e)) from e
 

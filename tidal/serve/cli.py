@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-snapshot-interval", type=int, default=None,
                    help="snapshot the KDA state after every N prompt tokens for prefix hits (default: derived "
                         "from the model, the tokens whose KV is worth one state block; printed at start-up)")
+    p.add_argument("--max-running-requests", "--max-num-seqs", dest="max_running_requests", type=int,
+                   default=None, help="cap on requests running at once (default: none, the memory pool decides)")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="cap on requests waiting; beyond it a request gets 503 with Retry-After (default: none)")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413")
     p.add_argument("--reasoning-alias", action="store_true",
@@ -118,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                   max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
                   enable_prefix_caching=args.enable_prefix_caching,
-                  prefix_snapshot_interval=args.prefix_snapshot_interval)
+                  prefix_snapshot_interval=args.prefix_snapshot_interval,
+                  max_running_requests=args.max_running_requests, max_queued_requests=args.max_queued_requests)
     except (ValueError, OSError, ConfigError) as e:
         print(f"tidal serve: {e}", file=sys.stderr)
         return 2

@@ -32,12 +32,14 @@ class APIError(Exception):
     (``context_length_exceeded``, ``model_not_found``, ``invalid_api_key``); otherwise the envelope
     carries the error type as the code: always a string, as OpenAI's is."""
 
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.retry_after = retry_after  # seconds, sent as Retry-After
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -92,7 +94,9 @@ def envelope(err: APIError, path: str) -> dict[str, Any]:
 
 
 def error_response(err: APIError, path: str) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else {}
+    if err.retry_after is not None:
+        headers["Retry-After"] = str(err.retry_after)
     return JSONResponse(envelope(err, path), status_code=err.status, headers=headers)
 
 
