@@ -140,3 +140,50 @@ def test_engine_enforces_a_schema_greedy_and_sampled():
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), schema)
     assert not outs[2].outputs[0].text.startswith("{")  # the unconstrained row in the same batch
+
+
+# ---- the K3 reply grammar (tidal.serve.chat.constraints) -----------------------------------------
+
+def _reply_ids(tok, thinking: bool, calls: list[tuple[str, object]], content: str = "Sure.") -> list[int]:
+    """Token ids of a reply as the K3 renderer writes an assistant turn, after the generation
+    prompt (``<|open|>message role="assistant"<|sep|><|open|>think|response<|sep|>``)."""
+    from tidal.serve.chat.prompt import RenderedPrompt
+    from tidal.serve.chat.xtml import XtmlWriter, _assistant
+
+    w = XtmlWriter()
+    msg = {"role": "assistant", "content": content, "reasoning_content": "Let me see.",
+           "tool_calls": [{"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": a}}
+                          for i, (n, a) in enumerate(calls)]}
+    _assistant(w, msg, thinking)
+    # Drop open(message) and open(think | response) (3 segments each) and <|end_of_msg|>.
+    return RenderedPrompt(w.out.segments[6:-1]).token_ids(tok)
+
+
+def _accepts(compiler, grammar: str, ids: list[int]) -> bool:
+    m = compiler.compile(StructuredOutputsParams(llguidance=grammar)).matcher(EOS).matcher
+    return all(m.consume_token(t) for t in ids) and m.is_accepting()
+
+
+def test_reply_grammar_accepts_rendered_calls_and_refuses_the_rest(compiler, tok):
+    from tidal.serve.chat.constraints import reply_grammar
+
+    weather = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+               "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    for thinking in (True, False):
+        good = _reply_ids(tok, thinking, [("get_weather", {"city": "Paris", "days": 2})])
+        plain = _reply_ids(tok, thinking, [])
+        undeclared = _reply_ids(tok, thinking, [("rm_rf", {"city": "x"})])
+        bad_type = _reply_ids(tok, thinking, [("get_weather", {"city": "Paris", "days": "two"})])
+        missing = _reply_ids(tok, thinking, [("get_weather", {"days": 2})])
+        auto = reply_grammar(thinking=thinking, tools=tools)
+        assert _accepts(compiler, auto, good) and _accepts(compiler, auto, plain)
+        for wrong in (undeclared, bad_type, missing):
+            assert not _accepts(compiler, auto, wrong)
+        required = reply_grammar(thinking=thinking, tools=tools, tool_choice="required")
+        assert _accepts(compiler, required, good) and not _accepts(compiler, required, plain)
+        none = reply_grammar(thinking=thinking, tools=tools, tool_choice="none")
+        assert _accepts(compiler, none, plain) and not _accepts(compiler, none, good)
+    with pytest.raises(ValueError, match="not among the declared tools"):
+        reply_grammar(thinking=True, tools=tools, tool_choice={"type": "function", "function": {"name": "x"}})
+    assert reply_grammar(thinking=True) is None

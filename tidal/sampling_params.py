@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+_KINDS = ("json", "regex", "choice", "grammar", "llguidance")
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on what a request may generate, as vLLM's ``structured_outputs``: exactly one
@@ -20,11 +23,13 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    # A grammar already in llguidance's JSON form (the server's chat-reply grammars).
+    llguidance: str | None = None
     # JSON: no whitespace outside strings (compact, the default) or any JSON whitespace.
     whitespace_flexible: bool = False
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given = [name for name in _KINDS if getattr(self, name) is not None]
         if self.json_object:
             given.append("json_object")
         if len(given) != 1:
@@ -35,7 +40,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        for name in ("json", "regex", "choice", "grammar"):
+        for name in _KINDS:
             if getattr(self, name) is not None:
                 return name
         return "json_object"

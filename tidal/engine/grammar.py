@@ -94,6 +94,8 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     if not spec.whitespace_flexible:
         options |= {"item_separator": ", ", "key_separator": ": "}
     kind = spec.kind
+    if kind == "llguidance":
+        return spec.llguidance
     if kind in ("json", "json_object"):
         schema: Any = {"type": "object"} if kind == "json_object" else spec.json
         if isinstance(schema, str):

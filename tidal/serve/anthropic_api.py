@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tidal.sampling_params import SamplingParams
+from tidal.sampling_params import SamplingParams, StructuredOutputsParams
 from tidal.serve.chat import (
     ContentDelta,
     Event,
@@ -55,6 +55,7 @@ class ThinkingConfig(_Model):
 
 class OutputConfig(_Model):
     effort: str | None = None
+    format: dict[str, Any] | None = None  # {"type": "json_schema", "schema": {...}}
 
 
 class AnthropicMessage(_Model):
@@ -197,6 +198,16 @@ def to_tool_choice(choice: dict[str, Any] | None) -> Any:
     if kind == "tool":
         return {"type": "function", "function": {"name": choice.get("name")}}
     raise bad_request(f"unknown tool_choice type {kind!r}", "tool_choice")
+
+
+def output_format(req: MessagesRequest) -> StructuredOutputsParams | None:
+    """``output_config.format``: a JSON schema the text answer follows."""
+    fmt = req.output_config.format if req.output_config is not None else None
+    if not fmt:
+        return None
+    if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad_request("output_config.format must be {type: json_schema, schema: {...}}", "output_config.format")
+    return StructuredOutputsParams(json=fmt["schema"])
 
 
 def effort_of(req: MessagesRequest | CountTokensRequest, default: str) -> str:

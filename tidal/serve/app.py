@@ -26,6 +26,8 @@ from tidal.engine.request import QueueFullError, RequestTooLongError
 from tidal.serve import anthropic_api as anth
 from tidal.serve import openai_api as oai
 from tidal.serve import openai_protocol as proto
+from tidal.sampling_params import SamplingParams, StructuredOutputsParams
+from tidal.serve.chat.constraints import reply_grammar
 from tidal.serve.chat import (
     DEFAULT_EFFORT,
     ChatFormat,
@@ -153,6 +155,35 @@ class ServerState:
         if ignore_eos or self.chat is None:
             return []
         return [t for t in self.chat.stop_token_ids(self.tokenizer) if t not in self.engine.eos_token_ids]
+
+    async def constrain(self, params: SamplingParams, spec: StructuredOutputsParams | None, param: str) -> None:
+        """Compile ``spec`` on a worker thread (a complex schema takes a while; the engine thread
+        then only copies the cached result) and set it on ``params``; invalid ones are 400s."""
+        if spec is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.grammar_compiler().compile, spec)
+        except ValueError as e:
+            raise bad_request(str(e), param) from e
+        params.structured_outputs = spec
+
+    def reply_constraint(self, prompt: RenderedPrompt, *, tools: Any, tool_choice: Any,
+                         content: StructuredOutputsParams | None, explicit: bool,
+                         parallel_tool_calls: bool | None = None) -> StructuredOutputsParams | None:
+        """The grammar of a chat reply (tools, tool_choice, the response body's format). The K2
+        format has no reply grammar: there tools and response_format stay prompt instructions,
+        and explicit structured-output fields are refused."""
+        if self.chat is None or self.chat.name != "kimi_k3":
+            if explicit:
+                raise bad_request(f"structured outputs in chat are supported for the kimi_k3 format, not "
+                                  f"{self.chat.name if self.chat else 'none'}; use /v1/completions")
+            return None
+        try:
+            grammar = reply_grammar(thinking=prompt.thinking, tools=tools, tool_choice=tool_choice, content=content,
+                                    parallel_tool_calls=parallel_tool_calls)
+        except ValueError as e:
+            raise bad_request(str(e), "tool_choice" if "tool" in str(e) else "response_format") from e
+        return StructuredOutputsParams(llguidance=grammar) if grammar is not None else None
 
     async def submit(self, requests: list[EngineRequest], *, prompt_param: str = "messages",
                      max_tokens_param: str = "max_tokens") -> RequestStream:
@@ -405,6 +436,10 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
                                       add_generation_prompt=body.add_generation_prompt)
         params = body.sampling_params(body.max_output_tokens, body.num_logprobs, defaults, skip_special_tokens=False)
         params.stop_token_ids = [*params.stop_token_ids, *st.chat_stop_ids(params.ignore_eos)]
+        spec = st.reply_constraint(prompt, tools=body.tool_dicts(), tool_choice=body.tool_choice,
+                                   content=body.content_constraint(), explicit=body.explicit_constraint() is not None,
+                                   parallel_tool_calls=body.parallel_tool_calls)
+        await st.constrain(params, spec, "response_format")
         rid = oai.new_id("chatcmpl")
         samples = sample_requests(rid, ids, params)
         stream = await st.submit(samples, max_tokens_param=body.max_tokens_field)
@@ -427,6 +462,7 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
         body.check_supported()
         cid = oai.new_id("cmpl")
         prompts = body.prompts()
+        constraint = body.content_constraint()
         requests, echo, prompt_ids = [], [], []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
@@ -437,6 +473,7 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
                 text = st.tokenizer.decode(ids)
             prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
             params = body.sampling_params(body.max_tokens, body.logprobs, defaults, prompt_logprobs=prompt_lp)
+            await st.constrain(params, constraint, "structured_outputs")
             for r in sample_requests(f"{cid}-{i}", ids, params, prompt=text):
                 requests.append(r)
                 echo.append((text or "") if body.echo else None)
@@ -468,6 +505,11 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
         prompt, ids = await render_messages(body)
         params = body.sampling_params(defaults)
         params.stop_token_ids = [*params.stop_token_ids, *st.chat_stop_ids(params.ignore_eos)]
+        choice = body.tool_choice or {}
+        spec = st.reply_constraint(prompt, tools=anth.to_chat_tools(body), tool_choice=anth.to_tool_choice(choice),
+                                   content=anth.output_format(body), explicit=False,
+                                   parallel_tool_calls=False if choice.get("disable_parallel_tool_use") else None)
+        await st.constrain(params, spec, "tool_choice")
         mid = oai.new_id("msg", sep="_")
         stream = await st.submit([EngineRequest(mid, ids, params)])
         parser = st.chat.parser(prompt.thinking, anth.new_tool_id)

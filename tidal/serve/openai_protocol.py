@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tidal.sampling_params import SamplingParams
+from tidal.sampling_params import SamplingParams, StructuredOutputsParams
+from tidal.serve.chat.constraints import strict_schema
 from tidal.serve.errors import bad_request
 
 
@@ -93,9 +94,51 @@ class _SamplingFields(_Model):
     user: str | None = None
     return_token_ids: bool | None = None  # vLLM: token ids of prompt and reply beside the text
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprobs name tokens "token_id:N"
+    # Constrained output: OpenAI's response_format, vLLM's structured_outputs and older guided_*
+    # fields, SGLang's regex / ebnf / json_schema. At most one of them.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         pass
+
+    def explicit_constraint(self) -> StructuredOutputsParams | None:
+        """The grammar asked for by vLLM's or SGLang's fields (not response_format)."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        if self.structured_outputs:
+            known = {"json", "regex", "choice", "grammar", "json_object"}
+            fields = {k: v for k, v in self.structured_outputs.items() if k in known and v not in (None, False)}
+            found.append(("structured_outputs", fields))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar"), ("regex", "regex"), ("ebnf", "grammar"),
+                          ("json_schema", "json")):
+            if getattr(self, name) is not None:
+                found.append((name, {key: getattr(self, name)}))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise bad_request(f"give one output constraint, got {', '.join(n for n, _ in found)}", found[1][0])
+        name, fields = found[0]
+        try:
+            return StructuredOutputsParams(**fields)
+        except (TypeError, ValueError) as e:
+            raise bad_request(f"{name}: {e}", name) from e
+
+    def content_constraint(self) -> StructuredOutputsParams | None:
+        """What the output (a chat reply's response body) must match: ``response_format`` or one
+        of the explicit fields."""
+        explicit = self.explicit_constraint()
+        fmt = response_format_constraint(self.response_format)
+        if explicit is not None and fmt is not None:
+            raise bad_request("give either response_format or a structured-output field, not both", "response_format")
+        return explicit or fmt
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         """``logit_bias`` with its keys (token ids as JSON strings) as ints."""
@@ -157,13 +200,29 @@ class _SamplingFields(_Model):
             raise bad_request(str(e).removeprefix("SamplingParams.")) from e
 
 
+def response_format_constraint(response_format: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    """OpenAI's ``response_format``: text (none), json_object, json_schema (``strict``: objects
+    take no undeclared properties)."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise bad_request("response_format.json_schema must be an object with a schema", "response_format")
+        schema = spec.get("schema", {})
+        return StructuredOutputsParams(json=strict_schema(schema) if spec.get("strict") else schema)
+    raise bad_request(f"unsupported response_format type {kind!r}", "response_format")
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
