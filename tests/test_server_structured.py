@@ -62,10 +62,10 @@ def test_tool_choice_none_and_auto(oai):
 
 
 def test_undeclared_tool_choice_is_a_400(oai):
-    with pytest.raises(openai.BadRequestError, match="not among the declared tools"):
+    with pytest.raises(openai.BadRequestError, match="delete_everything"):
         oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=5,
                                     tool_choice={"type": "function", "function": {"name": "delete_everything"}})
-    with pytest.raises(openai.BadRequestError, match="at least one tool"):
+    with pytest.raises(openai.BadRequestError, match="tool"):
         oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, tool_choice="required")
 
 
