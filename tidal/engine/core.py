@@ -230,9 +230,9 @@ class EngineCore:
                              "SamplingParams.for_sample(i) (LLM.generate does)")
         try:
             req = self._make_request(request_id, list(prompt_token_ids), params, prompt, arrival_time)
-            if images:
-                self._check_images(req, list(images))
-                req.images = sorted(images, key=lambda item: item.offset)
+            if images or self.model.has_vision:
+                self._check_images(req, list(images or []))
+                req.images = sorted(images or [], key=lambda item: item.offset)
         except ValueError:
             self._metrics.num_requests_rejected += 1
             raise
@@ -333,6 +333,11 @@ class EngineCore:
             if any(t != pad for t in ids[item.offset : item.end]):
                 raise ValueError(f"image span [{item.offset}, {item.end}) is not all placeholder tokens ({pad})")
             end = item.end
+        placeholders = ids.count(pad)
+        covered = sum(item.length for item in images)
+        if placeholders != covered:
+            raise ValueError(f"the prompt has {placeholders} image placeholder tokens ({pad}) but its images cover "
+                             f"{covered}: each placeholder needs its image")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages and state; returns its final output (None if

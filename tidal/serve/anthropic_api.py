@@ -125,6 +125,18 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(out)
 
 
+def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """An Anthropic ``image`` block as an OpenAI ``image_url`` part (base64 -> a data: URL)."""
+    source = block.get("source") or {}
+    kind = source.get("type")
+    if kind == "base64":
+        media = source.get("media_type") or "application/octet-stream"
+        return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{source.get('data') or ''}"}}
+    if kind == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise bad_request(f"image source type {kind!r} is not supported (use base64 or url)", where)
+
+
 def to_chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
     """Anthropic messages as OpenAI-shaped messages: ``tool_result`` blocks become ``tool``
     messages (before the user's own text, as they answer the previous turn), ``tool_use`` blocks
@@ -139,10 +151,14 @@ def to_chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str
             out.append({"role": role, "content": msg.content})
             continue
         texts, reasoning, calls, results = [], [], [], []
+        parts: list[dict[str, Any]] = []  # text and image parts in order, when the message has images
         for block in msg.content:
             kind = block.get("type")
             if kind == "text":
                 texts.append(block.get("text") or "")
+                parts.append({"type": "text", "text": block.get("text") or ""})
+            elif kind == "image" and role == "user":
+                parts.append(_image_part(block, f"messages.{i}.content"))
             elif kind == "thinking" and role == "assistant":
                 reasoning.append(block.get("thinking") or "")
             elif kind == "redacted_thinking":
@@ -166,6 +182,8 @@ def to_chat_messages(req: MessagesRequest | CountTokensRequest) -> list[dict[str
             if calls:
                 m["tool_calls"] = calls
             out.append(m)
+        elif any(p["type"] == "image_url" for p in parts):
+            out.append({"role": "user", "content": parts})
         elif texts or not results:
             out.append({"role": "user", "content": "".join(texts)})
     return out

@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 import tidal
 from tidal.engine.core import EngineCore
 from tidal.engine.request import QueueFullError, RequestTooLongError
+from tidal.multimodal import ImageLimits
 from tidal.serve import anthropic_api as anth
 from tidal.serve import openai_api as oai
 from tidal.serve import openai_protocol as proto
@@ -50,6 +51,7 @@ from tidal.serve.errors import (
     error_bytes,
     install_error_handlers,
 )
+from tidal.serve.images import encode_with_images
 from tidal.serve.metrics import ServerMetrics
 from tidal.serve.ui import UI_PATHS, add_ui_routes
 
@@ -77,6 +79,7 @@ class ServerConfig:
     reasoning_alias: bool = False
     ui: bool = True  # the chat page at / and /chat (--no-ui turns it off)
     default_reasoning_effort: str = DEFAULT_EFFORT  # chat completions' effort when a request names none
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -132,13 +135,17 @@ class ServerState:
                      response_format: Any = None, add_generation_prompt: bool = True
                      ) -> tuple[RenderedPrompt, list[int]]:
         """(prompt, token ids) of a conversation at thinking ``level``; malformed messages are 400s.
-        Runs on a worker thread: a long agent context must not stall the other streams."""
+        Images are loaded and placed here (``prompt.image_items``; bad images are 400s naming
+        the problem). Runs on a worker thread: a long agent context must not stall the other
+        streams, nor an image fetch or resize."""
         fmt = self.need_chat()
 
         def work() -> tuple[RenderedPrompt, list[int]]:
             prompt = fmt.render(messages, tools=tools, tool_choice=tool_choice, response_format=response_format,
                                 thinking=level, add_generation_prompt=add_generation_prompt)
-            return prompt, prompt.token_ids(self.tokenizer)
+            ids, prompt.image_items = encode_with_images(prompt, self.tokenizer, self.engine.model_config.vision,
+                                                         self.config.image_limits)
+            return prompt, ids
 
         try:
             return await asyncio.to_thread(work)
@@ -441,7 +448,7 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
                                    parallel_tool_calls=body.parallel_tool_calls)
         await st.constrain(params, spec, "response_format")
         rid = oai.new_id("chatcmpl")
-        samples = sample_requests(rid, ids, params)
+        samples = sample_requests(rid, ids, params, images=prompt.image_items)
         stream = await st.submit(samples, max_tokens_param=body.max_tokens_field)
         opts = oai.ChatOptions(
             id=rid, model=body.model, created=oai.now(), num_logprobs=body.num_logprobs,
@@ -511,7 +518,7 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
                                    parallel_tool_calls=False if choice.get("disable_parallel_tool_use") else None)
         await st.constrain(params, spec, "tool_choice")
         mid = oai.new_id("msg", sep="_")
-        stream = await st.submit([EngineRequest(mid, ids, params)])
+        stream = await st.submit([EngineRequest(mid, ids, params, images=prompt.image_items)])
         parser = st.chat.parser(prompt.thinking, anth.new_tool_id)
         opts = anth.MessagesOptions(id=mid, model=body.model, prompt_tokens=len(ids))
         if body.stream:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tidal.multimodal.decode import DEFAULT_LIMIT_IMAGES_PER_PROMPT, DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 from tidal.serve.app import DEFAULT_MAX_REQUEST_BYTES
 from tidal.serve.chat.effort import DEFAULT_EFFORT, REQUEST_EFFORTS, request_effort
 
@@ -58,9 +59,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-reasoning-effort", default=None, choices=sorted(REQUEST_EFFORTS),
                    help="thinking effort of chat requests that name none (default: the model's own, from "
                         "default_reasoning_effort in its config.json, else K3's max); see the effort table in the README")
+    p.add_argument("--limit-mm-per-prompt", type=_mm_limit, default=DEFAULT_LIMIT_IMAGES_PER_PROMPT,
+                   metavar='\'{"image": N}\'', help="most images in one prompt (vLLM's JSON form, or image=N)")
+    p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help="larger images (width x height, read from the header) are refused with a 400")
+    p.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES,
+                   help="larger encoded images (inline or fetched) are refused with a 400")
+    p.add_argument("--allow-image-url-fetch", action="store_true",
+                   help="fetch http(s) image URLs (off: only data: URLs and base64 images are taken)")
+    p.add_argument("--image-fetch-timeout", type=float, default=5.0, help="seconds an image URL fetch may take")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return p
+
+
+def _mm_limit(text: str) -> int:
+    """``--limit-mm-per-prompt``: '{"image": 4}' (vLLM) or 'image=4'; only images are taken."""
+    try:
+        value = json.loads(text) if text.strip().startswith("{") else dict(
+            (k.strip(), int(v)) for k, v in (item.split("=", 1) for item in text.split(",")))
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"expected '{{\"image\": N}}' or image=N, got {text!r} ({e})") from None
+    unknown = set(value) - {"image"}
+    if unknown or not isinstance(value.get("image"), int) or value["image"] < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative image count only, got {text!r}")
+    return value["image"]
 
 
 def generation_defaults(model_dir: Path) -> dict[str, Any]:
@@ -107,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     from tidal.embedded import embedded_model_dir
     from tidal.engine.core import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from tidal.llm import LLM
+    from tidal.multimodal import ImageLimits
     from tidal.serve.app import ServerConfig, create_app
 
     device = args.device
@@ -134,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         reasoning_alias=args.reasoning_alias, ui=args.ui,
         default_reasoning_effort=(request_effort(args.default_reasoning_effort) if args.default_reasoning_effort
                                   else model_default_effort(model_dir)),
+        image_limits=ImageLimits(max_images=args.limit_mm_per_prompt, max_pixels=args.max_image_pixels,
+                                 max_bytes=args.max_image_bytes, allow_url_fetch=args.allow_image_url_fetch,
+                                 fetch_timeout=args.image_fetch_timeout),
         info={"args": {k: v for k, v in vars(args).items() if k != "api_key"}},
     )
     app = create_app(llm.engine, config)

@@ -21,7 +21,7 @@ from typing import Any
 
 from tidal.engine.core import EngineCore
 from tidal.engine.metrics import EngineMetrics
-from tidal.engine.request import Logprob, RequestOutput
+from tidal.engine.request import ImageItem, Logprob, RequestOutput
 from tidal.sampling_params import SamplingParams
 
 logger = logging.getLogger("tidal.serve")
@@ -39,17 +39,18 @@ class EngineRequest:
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     fork_of: str | None = None  # another sample of the same prompt (EngineCore.add_request)
+    images: list[ImageItem] | None = None  # each image at its placeholder offset
 
 
 def sample_requests(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> list[EngineRequest]:
+                    prompt: str | None = None, images: list[ImageItem] | None = None) -> list[EngineRequest]:
     """The engine requests of one prompt: itself, or its ``params.n`` samples (ids ``{i}_{id}``,
     seeds ``seed + i``), the later ones forking from the first's prefill."""
     if params.n == 1:
-        return [EngineRequest(request_id, prompt_token_ids, params, prompt)]
+        return [EngineRequest(request_id, prompt_token_ids, params, prompt, images=images)]
     ids = [f"{i}_{request_id}" for i in range(params.n)]
-    return [EngineRequest(sid, prompt_token_ids, params.for_sample(i), prompt, fork_of=ids[0] if i else None)
-            for i, sid in enumerate(ids)]
+    return [EngineRequest(sid, prompt_token_ids, params.for_sample(i), prompt, fork_of=ids[0] if i else None,
+                          images=images) for i, sid in enumerate(ids)]
 
 
 @dataclass
@@ -292,7 +293,7 @@ class EngineClient:
                 if self.dead is not None:
                     raise EngineError(f"the engine is not running: {self.dead}")
                 self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, prompt=r.prompt,
-                                        arrival_time=r.arrival_time, fork_of=r.fork_of)
+                                        arrival_time=r.arrival_time, fork_of=r.fork_of, images=r.images)
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
                 fut.set_exception(e)
                 return

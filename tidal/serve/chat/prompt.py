@@ -62,6 +62,9 @@ class RenderedPrompt:
     segments: list[Segment] = field(default_factory=list)
     thinking: bool = False
     image_size_in_header: bool = False  # K3 writes "image {W}x{H}", K2.5 "image"
+    # Set by the server once the images are loaded: each image at its placeholder offset
+    # (tidal.engine.request.ImageItem), in prompt order.
+    image_items: list[Any] = field(default_factory=list)
 
     def add_image(self, part: dict[str, Any], placeholder: str) -> None:
         """An image content part; ``placeholder`` is how the prompt's text shows it."""
