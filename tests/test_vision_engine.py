@@ -115,6 +115,8 @@ def test_engine_refuses_bad_image_spans_and_text_only_models(model):
     ids, items = prompt_with(img, pad)
     with pytest.raises(ValueError, match="not all placeholder tokens"):
         llm.engine.add_request("x", ids, SamplingParams(max_tokens=1), images=[ImageItem(2, img)])
+    with pytest.raises(ValueError, match="image placeholder tokens \\(252\\) but no images"):
+        llm.engine.add_request("w", ids, SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="leaves the prompt"):
         llm.engine.add_request("y", ids[:8], SamplingParams(max_tokens=1), images=items)
     text_only = LLM(init_weights(KimiForCausalLM(presets.tiny_k3(mxfp4=False))), kv_cache_memory_bytes=POOL)
