@@ -406,6 +406,11 @@ class MemoryPool:
         self.num_compactions += 1
         self.pages_moved += len(moves)
 
+    def leak_page_for_test(self) -> None:
+        """Test hook (tidal.engine.faults): take a page off the free books with no owner, as a
+        bookkeeping bug would; the recount then fails."""
+        self._take_page()
+
     # ---- byte access (used by PoolCacheView) ---------------------------------------------------
     def state_storage(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of one KDA layer's states in every block: conv [num_blocks, W-1, 3P] (model dtype),

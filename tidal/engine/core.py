@@ -17,6 +17,8 @@ from tidal.cache.pool import MemoryPool
 from tidal.cache.prefix import PrefixCache
 from tidal.detokenizer import Detokenizer
 from tidal.engine.grammar import GrammarCompiler, PrefixConstraint
+from tidal.cache.recount import recount
+from tidal.engine.faults import FaultInjection, StepFailedError
 from tidal.engine.metrics import EngineMetrics, RequestMetrics
 from tidal.engine.request import (
     ImageItem,
@@ -147,6 +149,9 @@ class EngineCore:
         self._metrics = EngineMetrics()
         self._grammar = None  # GrammarCompiler, built on the first constrained request
         self._forks: dict[str, list[Request]] = {}  # n > 1: first sample's id -> siblings held back
+        self.dead: str | None = None  # why the engine can no longer step (see tidal.engine.faults)
+        self.faults = FaultInjection.from_env()
+        self._steps_started = 0
         self._log_startup()
 
     def _media_pad_id(self, tokenizer: object | None) -> int | None:
@@ -355,8 +360,35 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of the requests that produced a token (cumulative,
-        as vLLM), finished ones with ``finished=True``."""
+        as vLLM), finished ones with ``finished=True``. A step that raises aborts its requests and
+        raises :class:`StepFailedError` (see :mod:`tidal.engine.faults`); a dead engine raises it
+        at once."""
+        if self.dead is not None:
+            raise StepFailedError(RuntimeError(self.dead), [], self.dead)
         batch = self.scheduler.schedule()
+        try:
+            self._steps_started += 1
+            if self.faults is not None:
+                self.faults.before_step(self._steps_started, self.pool)
+            return self._run_step(batch)
+        except Exception as e:
+            raise self._fail_step(batch, e) from e
+
+    def _fail_step(self, batch: ScheduledBatch, cause: Exception) -> StepFailedError:
+        """Abort the step's requests (their state may be half-advanced: never resumed), then
+        recount the pool; a pool that does not add up kills the engine."""
+        logger.error("engine step failed: %s: %s; failing its %d request(s)", type(cause).__name__, cause,
+                     len(batch.requests), exc_info=cause)
+        rids = [r.request_id for r in batch.requests if r.request_id in self.requests]
+        for rid in rids:
+            self.abort_request(rid)
+        problems = recount(self.pool, self.prefix_cache)
+        if problems:
+            self.dead = f"the memory pool is inconsistent after a failed step ({'; '.join(problems)})"
+            logger.error("engine dead: %s", self.dead)
+        return StepFailedError(cause, rids, self.dead)
+
+    def _run_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         if not batch.requests:
             if self.scheduler.has_unfinished():  # a scheduler bug, never a capacity limit
                 raise RuntimeError("the scheduler scheduled nothing while requests wait")

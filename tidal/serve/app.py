@@ -240,7 +240,7 @@ async def collect(request: Request, stream: RequestStream) -> list[TokenDelta]:
     try:
         return work.result()
     except EngineError as e:
-        raise APIError(503, str(e)) from e
+        raise APIError(e.status, str(e)) from e
 
 
 def sse_response(body: AsyncIterator[str]) -> StreamingResponse:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.engine.core import EngineCore
+from tidal.engine.faults import StepFailedError
 from tidal.engine.metrics import EngineMetrics
 from tidal.engine.request import ImageItem, Logprob, RequestOutput
 from tidal.sampling_params import SamplingParams
@@ -29,6 +30,14 @@ logger = logging.getLogger("tidal.serve")
 
 class EngineError(RuntimeError):
     """The engine failed, or the server is shutting down: in-flight requests end with this."""
+
+    status = 503
+
+
+class RequestFailedError(EngineError):
+    """The engine step running this request raised (the request was aborted; the engine serves on)."""
+
+    status = 500
 
 
 @dataclass
@@ -264,6 +273,13 @@ class EngineClient:
         if self.dead is None and engine.has_unfinished_requests():
             try:
                 outputs = engine.step()
+            except StepFailedError as e:  # the engine aborted the step's requests and logged why
+                outputs = []
+                failed = [rid for rid in e.request_ids if self._tracks.pop(rid, None) is not None]
+                self._post(self._fail_requests, failed, str(e), RequestFailedError)
+                if e.dead is not None:
+                    self.dead = e.dead
+                    self._fail_tracked(f"the engine is dead: {e.dead}")
             except Exception as e:
                 logger.exception("engine step failed")
                 self._fail_tracked(f"the engine failed: {type(e).__name__}: {e}")
@@ -388,8 +404,8 @@ class EngineClient:
             if d.finished:
                 del self._sinks[d.request_id]
 
-    def _fail_requests(self, rids: list[str], reason: str) -> None:
+    def _fail_requests(self, rids: list[str], reason: str, error: type[EngineError] = EngineError) -> None:
         for rid in rids:
             sink = self._sinks.pop(rid, None)
             if sink is not None:
-                sink.put_nowait(EngineError(reason))
+                sink.put_nowait(error(reason))
