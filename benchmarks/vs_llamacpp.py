@@ -29,6 +29,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import tidal  # noqa: F401  (first: its OpenMP wait policy must be set before torch loads libgomp)
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

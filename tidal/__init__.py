@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
+# OpenMP threads (torch's pool and tidal's C kernels share one libgomp) wait passively, so a step on
+# a CPU shared with other work slows in proportion to the CPU it gets instead of spinning at every
+# barrier against the other processes. libgomp reads this when torch loads it: import tidal first
+# (the CLI does); OMP_WAIT_POLICY=active in the environment overrides it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "__version__"]

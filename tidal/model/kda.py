@@ -8,6 +8,7 @@ from torch import nn
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
 from tidal.model.layers import FusedWeights, compute_dtype, fuse_linears, linear, rms_norm
+from tidal.ops import dense
 from tidal.ops.kda import (
     CHUNK,
     kda_chunked,
@@ -71,7 +72,7 @@ class KimiDeltaAttention(nn.Module):
         fused = self.in_proj.for_forward() if self.in_proj is not None else None
         if fused is not None:
             sizes = self.in_proj.sizes  # q, k, v (taken together), f_a, gate, b
-            return torch.nn.functional.linear(x, fused).split([sum(sizes[:3]), *sizes[3:]], dim=-1)
+            return dense.linear(x, fused).split([sum(sizes[:3]), *sizes[3:]], dim=-1)
         gate = self.g_proj(x) if self.config.kda_full_rank_gate else self.g_a_proj(x)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         return qkv, self.f_a_proj(x), gate, self.b_proj(x)

@@ -7,6 +7,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from tidal.ops import dense
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Precision for norms, gates and routers: at least float32 (float64 stays float64)."""
@@ -32,9 +34,16 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class Linear(nn.Linear):
+    """A bias-free nn.Linear whose product goes through ``tidal.ops.dense`` (same state_dict)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dense.linear(x, self.weight)
+
+
 def linear(in_features: int, out_features: int) -> nn.Linear:
     """Bias-free projection (every Kimi projection is bias-free)."""
-    return nn.Linear(in_features, out_features, bias=False)
+    return Linear(in_features, out_features, bias=False)
 
 
 def inference_layout(weight: torch.Tensor) -> torch.Tensor:

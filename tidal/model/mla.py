@@ -8,6 +8,7 @@ from torch import nn
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
 from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, fuse_linears, linear
+from tidal.ops import dense
 from tidal.ops.mla import mla_absorbed_attention, mla_naive_attention, mla_paged_decode
 from tidal.ops.mla_tiled import mla_tiled_attention
 
@@ -50,7 +51,7 @@ class KimiMLA(nn.Module):
         """(q [T, n * (d_nope + d_rope)], kv_a(x) [T, r + d_rope], output-gate logits or None)."""
         fused = self.in_proj.for_forward() if self.in_proj is not None else None
         if fused is not None:
-            first, kv, *gate = torch.nn.functional.linear(x, fused).split(self.in_proj.sizes, dim=-1)
+            first, kv, *gate = dense.linear(x, fused).split(self.in_proj.sizes, dim=-1)
         else:
             first = self.q_proj(x) if self.config.q_lora_rank is None else self.q_a_proj(x)
             kv = self.kv_a_proj_with_mqa(x)

@@ -17,7 +17,7 @@ from torch.nn.utils import parametrize
 from tidal.config import ModelConfig
 from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, fuse_linears, linear
 from tidal.ops.activation import can_overwrite, situ, swiglu
-from tidal.ops import mxfp4_moe
+from tidal.ops import dense, mxfp4_moe
 from tidal.ops.cpu_kernels import grouped_gemm_for
 from tidal.ops.mxfp import BLOCK, quantize_mxfp4
 
@@ -50,7 +50,7 @@ def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` (x [n, K], w [N, K] -> [n, N]), for a few rows computed as (w @ x.t()).t().
     The result may then be a transposed view; rows are independent either way."""
     if x.dim() != 2 or x.shape[0] == 0 or not feature_major(x.shape[0], w):
-        return F.linear(x, w)
+        return dense.linear(x, w)
     x = x.contiguous()  # x.t() must be a transposed contiguous matrix, else MKL takes a slow path
     if x.shape[0] == 1:
         return (w @ torch.cat([x, x]).t())[:, :1].t()

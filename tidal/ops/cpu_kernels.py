@@ -222,3 +222,19 @@ def mxfp4_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Te
         return out
 
     return gemm, dequantize
+
+
+@cache
+def bf16_gemm_kernel() -> Callable[..., torch.Tensor] | None:
+    """The C few-rows float32 x bfloat16-weight product (see csrc/bf16_gemm.c), or None."""
+    fn = _function("bf16_gemm", "bf16_rows_gemm", [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int])
+    if fn is None:
+        return None
+
+    def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.float32).contiguous()
+        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+        fn(_ptr(x), x.shape[0], x.shape[1], _ptr(w), w.stride(0), w.shape[0], _ptr(out), torch.get_num_threads())
+        return out
+
+    return gemm

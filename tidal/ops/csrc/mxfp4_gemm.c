@@ -7,8 +7,8 @@
  * mxfp4_grouped_gemm: group g holds rows offsets[g] .. offsets[g+1]-1 of x [S, K] (float32);
  * out[t] = x[t] @ W[experts[g]]^T, out [S, N] float32. Each 32-value block of a weight row is decoded
  * once, in registers (a 16-entry table of E2M1 values times the block scale, which is exact: a power
- * of two), and used for all of the group's rows. Every output is the same fixed-order sum
- * (8 lanes over the row, lanes added pairwise at the end) whatever the other rows, the batch or the
+ * of two), and used for two of the group's rows at a time. Every output is the same fixed-order
+ * sum (four 8-lane accumulators, added in a fixed order) whatever the other rows, the batch or the
  * thread count: a row's result is bitwise independent of the other rows.
  *
  * mxfp4_dequantize: the experts' weights as float32 [G, N, K] (for the products with many rows,
@@ -70,55 +70,54 @@ static inline float lanes_sum(__m256 a) {
 }
 #endif
 
-/* Rows of a group with one weight row: at most this many rows share one pass over the weights. */
-#define ROW_TILE 8
-
-/* out[t * N + j] for rows t in [t0, t1) of x, one weight row w (K/2 bytes) with its scales. */
-static void weight_row(const float *x, int64_t K, int64_t t0, int64_t t1, const uint8_t *restrict w,
-                       const uint8_t *restrict sc, float *out, int64_t N, int64_t j) {
-    const int64_t blocks = K / 32;
+/* n rows (a constant at each call, so the accumulators stay in registers) times one weight row w
+ * (K/2 bytes) with its scales: four 8-lane accumulators per row, one per quarter of a block, then
+ * (a0 + a1) + (a2 + a3) and a fixed lane reduction; out[r * N] for each row r. */
 #ifdef MXFP4_AVX2
-    for (int64_t ta = t0; ta < t1; ta += ROW_TILE) {
-        const int64_t n = t1 - ta < ROW_TILE ? t1 - ta : ROW_TILE;
-        __m256 acc[ROW_TILE];
-        for (int64_t r = 0; r < n; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; b++) {
-            __m256 v[4];
-            decode_block_avx2(w + b * 16, 0.5f * e8m0(sc[b]), v);
-            for (int64_t r = 0; r < n; r++) {
-                const float *xr = x + (ta + r) * K + b * 32;
-                __m256 a = acc[r];
-                a = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xr), a);
-                a = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xr + 8), a);
-                a = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xr + 16), a);
-                a = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xr + 24), a);
-                acc[r] = a;
-            }
-        }
-        for (int64_t r = 0; r < n; r++) out[(ta + r) * N + j] = lanes_sum(acc[r]);
+static inline __attribute__((always_inline)) void rows_tile(const int n, const float *x, int64_t K,
+                                                             const uint8_t *restrict w, const uint8_t *restrict sc,
+                                                             float *out, int64_t N) {
+    __m256 a[2][4];
+    for (int r = 0; r < n; r++)
+        for (int q = 0; q < 4; q++) a[r][q] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 32; b++) {
+        __m256 v[4];
+        decode_block_avx2(w + b * 16, 0.5f * e8m0(sc[b]), v);
+        for (int r = 0; r < n; r++)
+            for (int q = 0; q < 4; q++)
+                a[r][q] = _mm256_fmadd_ps(v[q], _mm256_loadu_ps(x + r * K + b * 32 + 8 * q), a[r][q]);
     }
+    for (int r = 0; r < n; r++)
+        out[r * N] = lanes_sum(_mm256_add_ps(_mm256_add_ps(a[r][0], a[r][1]), _mm256_add_ps(a[r][2], a[r][3])));
+}
 #else
-    for (int64_t ta = t0; ta < t1; ta += ROW_TILE) {
-        const int64_t n = t1 - ta < ROW_TILE ? t1 - ta : ROW_TILE;
-        float acc[ROW_TILE][8];
-        for (int64_t r = 0; r < n; r++)
-            for (int l = 0; l < 8; l++) acc[r][l] = 0.0f;
-        for (int64_t b = 0; b < blocks; b++) {
+static inline void rows_tile(const int n, const float *x, int64_t K, const uint8_t *restrict w,
+                             const uint8_t *restrict sc, float *out, int64_t N) {
+    for (int r = 0; r < n; r++) {
+        const float *xr = x + r * K;
+        float a[4][8];
+        for (int q = 0; q < 4; q++)
+            for (int l = 0; l < 8; l++) a[q][l] = 0.0f;
+        for (int64_t b = 0; b < K / 32; b++) {
             float v[32];
             decode_block(w + b * 16, e8m0(sc[b]), v);
-            for (int64_t r = 0; r < n; r++) {
-                const float *xr = x + (ta + r) * K + b * 32;
-                for (int q = 0; q < 4; q++)  /* the vector path's four FMAs per lane, in order */
-                    for (int l = 0; l < 8; l++) acc[r][l] += v[8 * q + l] * xr[8 * q + l];
-            }
+            for (int q = 0; q < 4; q++)
+                for (int l = 0; l < 8; l++) a[q][l] += v[8 * q + l] * xr[b * 32 + 8 * q + l];
         }
-        for (int64_t r = 0; r < n; r++) {
-            const float *a = acc[r];
-            float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
-            out[(ta + r) * N + j] = (s0 + s2) + (s1 + s3);
-        }
+        float s[8];
+        for (int l = 0; l < 8; l++) s[l] = (a[0][l] + a[1][l]) + (a[2][l] + a[3][l]);
+        const float s0 = s[0] + s[4], s1 = s[1] + s[5], s2 = s[2] + s[6], s3 = s[3] + s[7];
+        out[r * N] = (s0 + s2) + (s1 + s3);
     }
+}
 #endif
+
+/* out[t * N + j] for rows t in [t0, t1) of x and weight row j: pairs of rows, then a single one. */
+static void weight_row(const float *x, int64_t K, int64_t t0, int64_t t1, const uint8_t *restrict w,
+                       const uint8_t *restrict sc, float *out, int64_t N, int64_t j) {
+    int64_t t = t0;
+    for (; t + 2 <= t1; t += 2) rows_tile(2, x + t * K, K, w, sc, out + t * N + j, N);
+    if (t < t1) rows_tile(1, x + t * K, K, w, sc, out + t * N + j, N);
 }
 
 /* Weight rows per work item: groups are cut into chunks of rows so a batch-1 step spreads over the

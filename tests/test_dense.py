@@ -1,0 +1,52 @@
+"""The bf16 trunk's few-rows product (tidal.ops.dense, csrc/bf16_gemm.c) against float64 on fresh
+random inputs, its row independence, and where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tidal.ops import cpu_kernels, dense
+
+
+@pytest.fixture()
+def kernel():
+    k = cpu_kernels.bf16_gemm_kernel()
+    if k is None:
+        pytest.skip("no C compiler here: torch's F.linear runs")
+    return k
+
+
+@pytest.mark.parametrize("n,N,K", [(1, 7, 32), (1, 65, 768), (3, 130, 100), (8, 33, 1), (5, 96, 64)])
+def test_kernel_matches_float64(kernel, n, N, K):
+    gen = torch.Generator().manual_seed(n * N + K)
+    x = torch.randn(n, K, generator=gen).bfloat16()
+    w = torch.randn(N, K, generator=gen).bfloat16()
+    ref = x.double() @ w.double().t()
+    bound = 1e-6 * K * (x.double().abs() @ w.double().abs().t()) + 1e-30
+    out = kernel(x, w)
+    assert out.dtype == torch.float32 and bool(((out.double() - ref).abs() <= bound).all())
+    got = dense.linear(x, w)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, out.bfloat16())
+
+
+def test_row_alone_equals_row_in_a_batch_bitwise(kernel):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 200, generator=gen).bfloat16()
+    w = torch.randn(90, 400, generator=gen).bfloat16()[:, :200]  # a strided weight (rows contiguous)
+    batch = kernel(x, w)
+    for t in range(7):
+        assert torch.equal(kernel(x[t : t + 1], w)[0], batch[t])
+
+
+def test_only_few_bf16_rows_take_the_kernel(monkeypatch):
+    calls = []
+    real = cpu_kernels.bf16_gemm_kernel()
+    if real is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(dense, "bf16_gemm_kernel", lambda: lambda x, w: calls.append(x.shape) or real(x, w))
+    w = torch.randn(16, 64).bfloat16()
+    for x in (torch.randn(2, 64).bfloat16(), torch.randn(20, 64).bfloat16(), torch.randn(2, 64)):
+        torch.testing.assert_close(dense.linear(x, w.to(x.dtype)), F.linear(x, w.to(x.dtype)), rtol=2e-2, atol=2e-2)
+    assert calls == [torch.Size([2, 64])]
