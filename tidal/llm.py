@@ -58,6 +58,8 @@ class LLM:
         quantization: str | None = None,
         max_running_requests: int | None = None,
         max_queued_requests: int | None = None,
+        disable_cuda_graph: bool = False,
+        cuda_graph_max_bs: int | None = None,
     ) -> None:
         device = torch.device(device) if device is not None else torch.device("cpu")
         if isinstance(model, torch.nn.Module):
@@ -91,6 +93,9 @@ class LLM:
             config.prefix_snapshot_interval = prefix_snapshot_interval
         if mem_fraction_static is not None:
             config.mem_fraction_static = mem_fraction_static
+        config.disable_cuda_graph = disable_cuda_graph
+        if cuda_graph_max_bs is not None:
+            config.cuda_graph_max_bs = cuda_graph_max_bs
         self.engine = EngineCore(net, config, self.tokenizer)
         self._ids = itertools.count()
 

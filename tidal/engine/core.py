@@ -67,6 +67,10 @@ class EngineConfig:
     max_queued_requests: int | None = None
     # Vision models: bytes of tower outputs kept by image hash (taken from the default pool budget).
     encoder_cache_bytes: int = DEFAULT_ENCODER_CACHE_BYTES
+    # Decode steps as captured CUDA graphs on a GPU, for batches of up to cuda_graph_max_bs
+    # sequences (SGLang's --disable-cuda-graph / --cuda-graph-max-bs).
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 128
 
 
 def available_ram_bytes() -> int:
@@ -138,9 +142,11 @@ class EngineCore:
                 raise ValueError(f"{name} must be >= {1 if name == 'max_running_requests' else 0}, got {cap}")
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, self.prefix_cache,
                                    max_running_requests=config.max_running_requests)
-        self.runner = ModelRunner(model, self.pool, self.encoder_cache)
         self.media_pad_id = self._media_pad_id(tokenizer)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.runner = ModelRunner(model, self.pool, self.encoder_cache, cuda_graph=not config.disable_cuda_graph,
+                                  cuda_graph_max_bs=config.cuda_graph_max_bs,
+                                  max_context=min(self.max_model_len, self.layout.max_context_len()))
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.cache.pool import MemoryPool, PoolCacheView
+from tidal.engine.cuda_graph import DEFAULT_MAX_BS, DecodeGraphs
 from tidal.engine.scheduler import ScheduledBatch
 from tidal.model.context import ForwardBatch
 from tidal.engine.request import ImageItem, Request
@@ -25,12 +26,23 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model: KimiForCausalLM, pool: MemoryPool, encoder_cache: EncoderCache | None = None) -> None:
+    """Runs steps eagerly, or (on a GPU, unless ``cuda_graph`` is off) pure decode steps of up to
+    ``cuda_graph_max_bs`` sequences as captured CUDA graphs (``tidal.engine.cuda_graph``)."""
+
+    def __init__(
+        self, model: KimiForCausalLM, pool: MemoryPool, encoder_cache: EncoderCache | None = None,
+        cuda_graph: bool = True, cuda_graph_max_bs: int = DEFAULT_MAX_BS, max_context: int | None = None,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCache(0)
         self.device = next(model.parameters()).device
         model.process_weights_after_loading()
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph and self.device.type == "cuda" and cuda_graph_max_bs > 0:
+            context = max_context or model.config.max_position_embeddings
+            self.graphs = DecodeGraphs(model, pool, cuda_graph_max_bs, context)
+            self.graphs.capture_all()
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
@@ -47,10 +59,16 @@ class ModelRunner:
         ids: list[int] = []
         for req, n, c in zip(reqs, query_lens, cached_lens):
             ids.extend(req.token_ids[c : c + n])
-        cache = PoolCacheView(self.pool, [r.request_id for r in reqs], query_lens, cached_lens)
-        fb = ForwardBatch(query_lens=query_lens, cached_lens=cached_lens, cache=cache)
-        images = self._image_embeds(reqs, query_lens, cached_lens, fb)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), fb, images)
+        owners = [r.request_id for r in reqs]
+        if self.graphs is not None and len(reqs) <= self.graphs.max_bs and all(n == 1 for n in query_lens):
+            hidden = self.graphs.run(owners, ids, cached_lens)
+            cu = list(range(len(reqs) + 1))
+        else:
+            cache = PoolCacheView(self.pool, owners, query_lens, cached_lens)
+            fb = ForwardBatch(query_lens=query_lens, cached_lens=cached_lens, cache=cache)
+            images = self._image_embeds(reqs, query_lens, cached_lens, fb)
+            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), fb, images)
+            cu = fb.cu_seqlens
 
         out = StepLogits()
         rows: list[int] = []
@@ -59,12 +77,12 @@ class ModelRunner:
             positions = req.prompt_logprob_positions(c, n)
             if positions:
                 prompt_rows.append((order[i], positions, len(rows)))
-                rows.extend(fb.cu_seqlens[i] + t - c for t in positions)
+                rows.extend(cu[i] + t - c for t in positions)
         first_sample = len(rows)
         for i, (req, n, c) in enumerate(zip(reqs, query_lens, cached_lens)):
             if c + n == req.num_tokens:
                 out.sample_seqs.append(order[i])
-                rows.append(fb.cu_seqlens[i + 1] - 1)
+                rows.append(cu[i + 1] - 1)
         if not rows:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

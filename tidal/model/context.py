@@ -94,6 +94,29 @@ class ForwardBatch:
             self._rows[key] = torch.tensor([self._cu[b] for b in self.decode_seqs], dtype=torch.long, device=device)
         return self._rows[key]  # type: ignore[return-value]
 
+    def decode_slots(self, device: torch.device) -> torch.Tensor:
+        """KDA state slots of the single-token sequences, in decode_seqs order (device kernels
+        index the pool with them; -1 marks a padded row of a captured batch)."""
+        key = "slots " + str(device)
+        if key not in self._rows:
+            slots = self.cache.state_slots
+            self._rows[key] = torch.tensor([slots[b] for b in self.decode_seqs], dtype=torch.int32, device=device)
+        return self._rows[key]  # type: ignore[return-value]
+
+    def decode_cu_seqlens(self, device: torch.device) -> torch.Tensor:
+        """Offsets 0, 1, .., n of the single-token sequences' tokens (varlen kernels); a captured
+        batch repeats the last live offset for its padded rows, which then hold no token."""
+        key = "cu " + str(device)
+        if key not in self._rows:
+            self._rows[key] = torch.arange(len(self.decode_seqs) + 1, dtype=torch.long, device=device)
+        return self._rows[key]  # type: ignore[return-value]
+
+    def set_device_index(self, name: str, device: torch.device, tensor: torch.Tensor) -> None:
+        """Use ``tensor`` (a static buffer of a captured CUDA graph) as this step's ``name`` index
+        ("tokens", "slots" or "cu") on ``device``."""
+        prefix = {"tokens": "", "slots": "slots ", "cu": "cu "}[name]
+        self._rows[prefix + str(device)] = tensor
+
     def decode_runs(self, device: torch.device) -> list[StateRun]:
         """The single-token sequences grouped into runs of consecutive state slots (built once per
         step): the engine orders a batch by slot, so a decode step is usually one or a few runs."""

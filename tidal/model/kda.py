@@ -8,7 +8,7 @@ from torch import nn
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
 from tidal.model.layers import FusedWeights, compute_dtype, fuse_linears, linear, rms_norm
-from tidal.ops import dense
+from tidal.ops import backends, dense
 from tidal.ops.kda import (
     CHUNK,
     kda_chunked,
@@ -18,6 +18,7 @@ from tidal.ops.kda import (
     l2_normalize,
 )
 from tidal.ops.short_conv import causal_conv, causal_conv_step
+from tidal.ops.triton import use_triton
 
 # Prefill pieces up to this many tokens run the token-by-token kernel (cheaper than one chunk).
 RECURRENT_MAX_LEN = 12
@@ -105,10 +106,14 @@ class KimiDeltaAttention(nn.Module):
         conv storage ``state`` [N, W-1, 3P] in place."""
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         out = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        for run in batch.decode_runs(qkv.device):
-            rows = state[run.slots]
-            out[run.tokens], new = causal_conv_step(qkv[run.tokens], weight, rows)
-            rows.copy_(new)
+        if batch.decode_seqs and use_triton(qkv):  # one kernel on the pool's rows by slot
+            rows = batch.decode_tokens(qkv.device)
+            out[rows] = backends.conv_decode_(qkv[rows], weight, state, batch.decode_slots(qkv.device))
+        else:
+            for run in batch.decode_runs(qkv.device):
+                rows = state[run.slots]
+                out[run.tokens], new = causal_conv_step(qkv[run.tokens], weight, rows)
+                rows.copy_(new)
         for b in batch.prefill_seqs:
             sl, row = batch.token_slice(b), state[batch.cache.state_slots[b]]
             out[sl], new = causal_conv(qkv[sl], weight, row)
@@ -123,6 +128,8 @@ class KimiDeltaAttention(nn.Module):
         through the recurrent kernel alone or the chunked kernel batched with others of the same
         number of chunks. Returns o [T, H, V]."""
         T = inputs[0].shape[0]
+        if state.is_cuda:
+            return self._delta_rule_cuda(inputs, state, batch)
         o = torch.empty(T, self.num_heads, state.shape[-1], dtype=state.dtype, device=state.device)
         for run in batch.decode_runs(state.device):
             o[run.tokens] = kda_decode_step_(*(t[run.tokens] for t in inputs), state[run.slots]).to(state.dtype)
@@ -138,6 +145,27 @@ class KimiDeltaAttention(nn.Module):
                 groups.setdefault(-(-n // CHUNK), []).append(b)
         for seqs in groups.values():
             self._chunked_group(inputs, state, batch, seqs, o)
+        return o
+
+    def _delta_rule_cuda(
+        self, inputs: tuple[torch.Tensor, ...], state: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """On the GPU, fla's kernels on the pool's states by slot: decode tokens in one in-place
+        recurrent call, every prefill sequence in one varlen chunked call."""
+        dev = state.device
+        o = torch.zeros(inputs[0].shape[0], self.num_heads, state.shape[-1], dtype=state.dtype, device=dev)
+        if batch.decode_seqs:
+            rows = batch.decode_tokens(dev)
+            o[rows] = backends.kda_decode_(*(t[rows] for t in inputs), state, batch.decode_slots(dev),
+                                           batch.decode_cu_seqlens(dev)).to(state.dtype)
+        if batch.prefill_seqs:
+            slices = [batch.token_slice(b) for b in batch.prefill_seqs]
+            rows = torch.cat([torch.arange(sl.start, sl.stop) for sl in slices]).to(dev)
+            cu = [0]
+            for sl in slices:
+                cu.append(cu[-1] + sl.stop - sl.start)
+            slots = torch.tensor([batch.cache.state_slots[b] for b in batch.prefill_seqs], device=dev)
+            o[rows] = backends.kda_prefill_(*(t[rows] for t in inputs), state, slots, cu).to(state.dtype)
         return o
 
     def _chunked_group(

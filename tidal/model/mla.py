@@ -9,8 +9,10 @@ from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
 from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, fuse_linears, linear
 from tidal.ops import dense
-from tidal.ops.mla import mla_absorbed_attention, mla_naive_attention, mla_paged_decode
+from tidal.ops.backends import mla_paged_decode, mla_prefill_attention
+from tidal.ops.mla import mla_absorbed_attention, mla_naive_attention
 from tidal.ops.mla_tiled import mla_tiled_attention
+from tidal.ops.triton import use_triton
 
 
 class KimiMLA(nn.Module):
@@ -84,7 +86,10 @@ class KimiMLA(nn.Module):
                 out[rows] = o[:, 0]
         for b in batch.prefill_seqs:
             sl = batch.token_slice(b)
-            if paged is not None:
+            if use_triton(x):  # the GPU's key-tiled flash kernel (tidal.ops.backends)
+                latents = batch.cache.mla_read(self.mla_index, b)
+                out[sl] = mla_prefill_attention(q_nope[sl], q_pe[sl], latents, w, self.scale)
+            elif paged is not None:
                 pages, table, _ = paged(self.mla_index, [b])
                 length = batch.cached_lens[b] + batch.query_lens[b]
                 out[sl] = mla_tiled_attention(q_nope[None, sl], q_pe[None, sl], pages, table, [length], w, self.scale)[0]

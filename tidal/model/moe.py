@@ -16,10 +16,12 @@ from torch.nn.utils import parametrize
 
 from tidal.config import ModelConfig
 from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, fuse_linears, linear
+from tidal.ops import backends
 from tidal.ops.activation import can_overwrite, situ, swiglu
 from tidal.ops import dense, mxfp4_moe
 from tidal.ops.cpu_kernels import grouped_gemm_for
 from tidal.ops.mxfp import BLOCK, quantize_mxfp4
+from tidal.ops.triton import use_triton
 
 # With the C grouped matmul, decode batches whose experts get at most this many rows each use it.
 FEW_ROWS = 16
@@ -202,6 +204,11 @@ class Experts(nn.Module):
         if T == 0:
             return out
         w13 = self._fused()
+        if use_triton(h) and not (torch.is_grad_enabled() and h.requires_grad):
+            # the GPU's grouped kernel: no host sync, no per-expert loop
+            gate_up = w13 if w13 is not None else torch.cat([self.w1, self.w3], dim=1)
+            return backends.routed_experts(h, ids, weights, (gate_up, None), (self.w2, None),
+                                           lambda g, u: activate(self.config, g, u))
         kernel = grouped_gemm_for(h, w13, self.w2) if w13 is not None else None
         if T == 1 and kernel is None:
             return self._one_token(h, ids, weights, out)
@@ -308,6 +315,10 @@ class PackedExperts(nn.Module):
         """As :meth:`Experts.forward`; a row's result in decode-sized batches does not depend on the
         other rows at all (bitwise: see ``tidal.ops.mxfp4_moe``)."""
         T, k = ids.shape
+        if T and use_triton(h):  # the GPU: the grouped kernel decodes E2M1 itself, no host sync
+            return backends.routed_experts(h, ids, weights, (self.w13_weight_packed, self.w13_weight_scale),
+                                           (self.w2_weight_packed, self.w2_weight_scale),
+                                           lambda g, u: activate(self.config, g, u))
         out = torch.zeros(T, h.shape[-1], dtype=compute_dtype(h.dtype), device=h.device)
         if T == 0:
             return out

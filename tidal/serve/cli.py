@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "quantization_config; mxfp4 packs a dense checkpoint's experts at load)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda when available)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="memory pool size in bytes")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="on a GPU, the pool is this share of device memory minus the weights (default 0.9)")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly on a GPU")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest decode batch run as a captured CUDA graph (default 128)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -147,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
                   enable_prefix_caching=args.enable_prefix_caching,
                   prefix_snapshot_interval=args.prefix_snapshot_interval,
-                  max_running_requests=args.max_running_requests, max_queued_requests=args.max_queued_requests)
+                  max_running_requests=args.max_running_requests, max_queued_requests=args.max_queued_requests,
+                  mem_fraction_static=args.mem_fraction_static, disable_cuda_graph=args.disable_cuda_graph,
+                  cuda_graph_max_bs=args.cuda_graph_max_bs)
     except (ValueError, OSError, ConfigError) as e:
         print(f"tidal serve: {e}", file=sys.stderr)
         return 2

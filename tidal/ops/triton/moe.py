@@ -47,7 +47,8 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) ->
     flat = ids.reshape(-1)
     slots = flat.numel()
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    # scatter_add, not bincount: CUDA's bincount reads the max on the host (a sync, no graph capture)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     ends = counts.cumsum(0)
     blocks = (counts + block_m - 1) // block_m
     block_ends = blocks.cumsum(0)
