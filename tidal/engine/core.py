@@ -144,8 +144,8 @@ class EngineCore:
                                    max_running_requests=config.max_running_requests)
         self.media_pad_id = self._media_pad_id(tokenizer)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.runner = ModelRunner(model, self.pool, self.encoder_cache, cuda_graph=not config.disable_cuda_graph,
-                                  cuda_graph_max_bs=config.cuda_graph_max_bs,
+        self.runner = ModelRunner(model, self.pool, self.encoder_cache,
+                                  cuda_graph=not config.disable_cuda_graph, cuda_graph_max_bs=config.cuda_graph_max_bs,
                                   max_context=min(self.max_model_len, self.layout.max_context_len()))
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
