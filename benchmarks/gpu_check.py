@@ -26,10 +26,8 @@ from tidal.engine.cuda_graph import DecodeGraphs
 from tidal.model.context import ForwardBatch, SimpleCache, simple_batch
 from tidal.model.init import init_weights
 from tidal.model.kimi import KimiForCausalLM
-from tidal.model.moe import KimiMoE, activate
+from tidal.model.moe import KimiMoE, PackedExperts
 from tidal.ops import backends
-from tidal.ops.mxfp import dequantize_mxfp4
-from tidal.ops.triton import use_triton
 from tidal.plan import pool_layout
 from tidal.presets import preset_dict, tiny_k3, tiny_kimi_linear
 from tidal.sampling_params import SamplingParams
@@ -223,32 +221,21 @@ def check_tiny(make: Callable[[], ModelConfig], device: str) -> dict[str, Any]:
 
 
 # ---- (b) a slice of real K3 shapes --------------------------------------------------------------
-class PackedRoutedExperts(nn.Module):
-    """The routed experts of a layer as MXFP4 (compressed-tensors layout) through the GPU's grouped
-    kernel: random bytes generated on the device (the slice is too big for dense experts)."""
+def random_packed_experts(config: ModelConfig, device: str) -> PackedExperts:
+    """A layer's routed experts as MXFP4 with random codes and moderate scales, made on the device
+    (the slice is too big for dense experts)."""
+    experts = PackedExperts(config, device)
+    for name, buf in experts.named_buffers():
+        if name.endswith("packed"):
+            buf.random_(0, 256)
+        else:
+            buf.random_(118, 124)
+    return experts
 
-    def __init__(self, config: ModelConfig, device: str) -> None:
-        super().__init__()
-        self.config = config
-        E, d, inter = config.num_experts, config.expert_hidden_size, config.moe_intermediate_size
-        u8 = dict(dtype=torch.uint8, device=device)
-        self.w13 = torch.randint(0, 256, (E, 2 * inter, d // 2), **u8)
-        self.w13_scale = torch.randint(118, 124, (E, 2 * inter, d // 32), **u8)
-        self.w2 = torch.randint(0, 256, (E, d, inter // 2), **u8)
-        self.w2_scale = torch.randint(118, 124, (E, d, inter // 32), **u8)
 
-    def expert_bytes(self) -> int:
-        return sum(t[0].numel() for t in (self.w13, self.w13_scale, self.w2, self.w2_scale))
-
-    def forward(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if not use_triton(h):  # --smoke on a CPU: the same sum, experts dequantised
-            w13 = dequantize_mxfp4(self.w13[ids], self.w13_scale[ids], torch.float32)  # [T, k, 2I, d]
-            w2 = dequantize_mxfp4(self.w2[ids], self.w2_scale[ids], torch.float32)
-            gate, up = torch.einsum("tkod,td->tko", w13, h.float()).chunk(2, dim=-1)
-            y = torch.einsum("tkdi,tki->tkd", w2, activate(self.config, gate, up))
-            return (y * weights.float().unsqueeze(-1)).sum(1)
-        return backends.routed_experts(h, ids, weights, (self.w13, self.w13_scale), (self.w2, self.w2_scale),
-                                       lambda g, u: activate(self.config, g, u))
+def expert_bytes(experts: PackedExperts) -> int:
+    """Bytes of one expert's packed weights and scales."""
+    return sum(b[0].numel() for b in experts.buffers())
 
 
 def k3_slice_config(smoke: bool) -> ModelConfig:
@@ -289,7 +276,7 @@ def build_slice(cfg: ModelConfig, device: str) -> tuple[KimiForCausalLM, int]:
     model.to_dtype(dtype).eval()
     for m in model.modules():
         if isinstance(m, KimiMoE):
-            m.experts = PackedRoutedExperts(cfg, device)
+            m.experts = random_packed_experts(cfg, device)
     dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if "embed_tokens" not in n and "lm_head" not in n)
     return model, dense
@@ -321,7 +308,7 @@ def slice_decode(model: KimiForCausalLM, dense_bytes: int, device: str, batches:
     graphs = DecodeGraphs(model, pool, max(batches), context + 8) if device != "cpu" else None
     if graphs is not None:
         graphs.capture_all()
-    expert = next(m for m in model.modules() if isinstance(m, PackedRoutedExperts))
+    expert = next(m for m in model.modules() if isinstance(m, PackedExperts))
     E, k = cfg.num_experts, cfg.num_experts_per_token
     state_bytes = cfg.num_kda_layers * (math.prod(cfg.kda_recurrent_state_shape) * 4
                                         + math.prod(cfg.kda_conv_state_shape) * model.dtype.itemsize)
@@ -346,7 +333,7 @@ def slice_decode(model: KimiForCausalLM, dense_bytes: int, device: str, batches:
             row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
         active = E * (1 - (1 - k / E) ** B)  # expected distinct experts of B tokens routed to k of E each
         moe_layers = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
-        step_bytes = (dense_bytes + moe_layers * active * expert.expert_bytes() + 2 * B * state_bytes
+        step_bytes = (dense_bytes + moe_layers * active * expert_bytes(expert) + 2 * B * state_bytes
                       + B * context * cfg.num_mla_layers * cfg.mla_cache_width * model.dtype.itemsize)
         row["bytes_per_step"] = int(step_bytes)
         row["hbm_bound_ms"] = step_bytes / HBM_BYTES_PER_S * 1e3
@@ -355,7 +342,7 @@ def slice_decode(model: KimiForCausalLM, dense_bytes: int, device: str, batches:
         rows.append(row)
         for o in owners:
             pool.free(o)
-    return {"rows": rows, "dense_weight_bytes": dense_bytes, "expert_bytes": expert.expert_bytes(),
+    return {"rows": rows, "dense_weight_bytes": dense_bytes, "expert_bytes": expert_bytes(expert),
             "targets": "batch 1 >= 50% of the HBM bound; graphs >= 1.3x eager at batch 1"}
 
 
@@ -374,14 +361,12 @@ def slice_prefill(model: KimiForCausalLM, device: str, tokens: int, iters: int) 
 
     seconds = timed(run, device, iters)
     # FLOPs: 2 per weight per token for the weights each token uses, plus causal MLA attention
-    expert = next(m for m in model.modules() if isinstance(m, PackedRoutedExperts))
     per_expert = 3 * cfg.moe_intermediate_size * cfg.expert_hidden_size
     dense = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
     moe_layers = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
     flops = 2 * tokens * (dense + moe_layers * cfg.num_experts_per_token * per_expert)
     n, dqk, dv = cfg.num_attention_heads, cfg.qk_head_dim, cfg.v_head_dim
     flops += cfg.num_mla_layers * 2 * n * (dqk + dv) * tokens * tokens / 2
-    del expert
     return {"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds, "flops": flops,
             "flop_bound_s": flops / BF16_FLOPS, "fraction_of_flop_bound": flops / BF16_FLOPS / seconds,
             "note": "KDA chunk FLOPs are not counted (small beside the projections)",

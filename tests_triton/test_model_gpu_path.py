@@ -16,6 +16,7 @@ import pytest
 from tidal.engine.core import EngineConfig, EngineCore
 from tidal.model.init import init_weights
 from tidal.model.kimi import KimiForCausalLM
+from tidal.model.moe import pack_experts
 from tidal.ops.triton import mla_decode, moe, prefill_attention, short_conv
 from tidal.plan import pool_layout
 from tidal.presets import tiny_k3, tiny_kimi_linear
@@ -33,11 +34,15 @@ def reference_greedy(model: KimiForCausalLM, prompt: list[int], n: int) -> list[
         return test_engine.reference_greedy(model, prompt, n)
 
 
-@pytest.mark.parametrize("config", [tiny_k3, tiny_kimi_linear], ids=["k3", "kimi_linear"])
-def test_engine_on_triton_kernels_matches_reference(config):
-    cfg = config(mxfp4=False) if config is tiny_k3 else config()
+@pytest.mark.parametrize("name", ["k3_mxfp4", "kimi_linear"])
+def test_engine_on_triton_kernels_matches_reference(name):
+    """K3 with packed MXFP4 experts (both models pack the same quantised weights), Kimi Linear dense."""
+    cfg = tiny_k3() if name == "k3_mxfp4" else tiny_kimi_linear()
     reference = init_weights(KimiForCausalLM(cfg), seed=0).eval()
     model = init_weights(KimiForCausalLM(cfg), seed=0).eval()
+    if name == "k3_mxfp4":
+        pack_experts(reference)
+        pack_experts(model)
     block = pool_layout(cfg, 1 << 30, page_size=PAGE, kv_dtype_bytes=4, conv_dtype_bytes=4).block_bytes
     engine = EngineCore(model, EngineConfig(page_size=PAGE, kv_cache_memory_bytes=32 * block,
                                             enable_prefix_caching=False))
