@@ -484,7 +484,7 @@ def test_a_small_interval_never_shrinks_prefill_chunks(model):
 
 def test_default_interval_is_derived_from_the_model_and_logged(model, caplog):
     cfg = EngineConfig(page_size=PAGE, kv_cache_memory_bytes=16 * block_bytes())
-    with caplog.at_level(logging.INFO, logger="tidal.engine"):
+    with caplog.at_level(logging.DEBUG, logger="tidal.engine"):
         engine = EngineCore(model, cfg)
     lay = engine.layout
     derived = prefix_snapshot_interval(lay.state_bytes, lay.page_bytes // PAGE, PAGE)

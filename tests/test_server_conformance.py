@@ -4,14 +4,21 @@ replies (tool calls cut by max_tokens, ignore_eos) and streams that hold back no
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import anthropic
 import httpx
 import openai
 import pytest
+from live_server import start_server
 from test_server import API_KEY, MESSAGES, MODEL, TOOLS, auth
 from test_server import claude, fmt, oai, server, tok  # noqa: F401 - the shared session fixtures
 
-from tidal.serve.chat import REQUEST_EFFORTS
+from tidal.embedded import embedded_model_dir
+from tidal.serve.chat import REQUEST_EFFORTS, chat_format_for
+from tidal.tokenizer import load_tokenizer
 from tidal.serve.chat.xtml import END_OF_MSG
 
 LONGEST_MARKER_HOLD = len(END_OF_MSG) - 1  # the longest proper prefix of a K3 marker
@@ -214,3 +221,59 @@ def test_stream_options_only_with_stream_and_tool_choice_needs_its_tool(server):
         "model": MODEL, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 1,
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     assert ok.status_code == 200
+
+
+# ---- operations --------------------------------------------------------------------------------
+
+def test_startup_access_and_stats_lines_and_the_port_check():
+    """A server of its own at --log-level info: a short start-up (model, dtype, device, pool
+    capacity, URL; no planner table), one access line per request, the periodic stats line;
+    --default-reasoning-effort applies; sizes take units; a port in use fails before loading."""
+    s = start_server("--log-level", "info", "--stats-interval", "0.3", "--default-reasoning-effort", "high",
+                     "--max-model-len", "4K", "--max-request-bytes", "1MiB")
+    tokenizer = load_tokenizer(embedded_model_dir())
+    try:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=16,
+                                           extra_body={"ignore_eos": True})
+        time.sleep(1.0)
+        log = s.log_text()
+        assert r.usage.prompt_tokens == len(chat_format_for(tokenizer).render(MESSAGES, thinking="high").token_ids(tokenizer))
+        assert f"serving {MODEL} (" in log and "float32 on cpu" in log and "default thinking effort high" in log
+        assert "KV tokens" in log and "requests of 4096 tokens at once" in log
+        assert f"listening on http://127.0.0.1:{s.port}" in log
+        assert "┏" not in log and "weights per rank" not in log  # the planner's tables: --log-level debug
+        assert sum('"POST /v1/chat/completions HTTP/1.1" 200' in line for line in log.splitlines()) == 1
+        assert "Avg generation throughput:" in log and "Running:" in log and "Prefix cache hit rate:" in log
+        lines_before = log.count("Avg generation throughput")
+        time.sleep(1.0)
+        assert s.log_text().count("Avg generation throughput") <= lines_before + 1  # idle: quiet
+        t0 = time.monotonic()
+        clash = subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--port", str(s.port)],
+                               capture_output=True, text=True, timeout=120)
+        assert clash.returncode == 2 and f"cannot listen on 127.0.0.1:{s.port}" in clash.stderr
+        assert "loaded" not in clash.stderr and time.monotonic() - t0 < 60
+    finally:
+        s.stop()
+    bad = subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--kv-cache-memory-bytes", "lots"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "'lots' is not a size in bytes" in bad.stderr
+    assert "(default: 8000)" in subprocess.run([sys.executable, "-m", "tidal.cli", "serve", "--help"],
+                                               capture_output=True, text=True, timeout=120).stdout
+
+
+def test_reasoning_alias_and_vllm_metric_names(server, oai):
+    r = oai.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=6, temperature=0,
+                                    reasoning_effort="high", extra_body={"ignore_eos": True})
+    msg = r.choices[0].message.model_dump()
+    assert msg["reasoning"] == msg["reasoning_content"] and msg["reasoning"]
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for family in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                   "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+                   "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_count",
+                   "e2e_request_latency_seconds_sum", "request_success_total"):
+        tidal = [ln.split(" ")[0].replace("tidal:", "") + ln.rsplit(" ", 1)[1]
+                 for ln in text.splitlines() if ln.startswith("tidal:" + family)]
+        vllm = [ln.split(" ")[0].replace("vllm:", "") + ln.rsplit(" ", 1)[1]
+                for ln in text.splitlines() if ln.startswith("vllm:" + family)]
+        assert tidal and vllm == tidal, family

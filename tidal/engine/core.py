@@ -179,13 +179,13 @@ class EngineCore:
 
     def _log_startup(self) -> None:
         lay = self.layout
-        logger.info(
+        logger.debug(
             "memory pool: %.2f MiB in %d blocks of %.1f KiB (a block = one request's KDA state of %d B, or %d KV "
             "pages of %d tokens); device %s, dtype %s",
             lay.pool_bytes / 2**20, lay.num_blocks, lay.block_bytes / 1024, lay.state_bytes, lay.pages_per_block,
             lay.page_size, self.device, str(self.dtype).removeprefix("torch."),
         )
-        logger.info(
+        logger.debug(
             "capacity: %d KV tokens (pool all KV); %d concurrent requests of max_model_len %d tokens, "
             "%d of 1 token; longest single request %d tokens",
             lay.kv_tokens_per_rank, lay.max_requests(self.max_model_len), self.max_model_len,
@@ -194,11 +194,11 @@ class EngineCore:
         if self.prefix_cache is not None:
             how = ("set by prefix_snapshot_interval" if self.config.prefix_snapshot_interval is not None else
                    f"derived: their KV >= {SNAPSHOT_KV_FRACTION:g} x one {lay.state_bytes} B state block")
-            logger.info("prefix cache: on, a KDA state snapshot after every %d prefill tokens (%s) and at prompt "
+            logger.debug("prefix cache: on, a KDA state snapshot after every %d prefill tokens (%s) and at prompt "
                         "and request ends (one block each, evicted LRU)", self.prefix_cache.snapshot_interval, how)
         else:
-            logger.info("prefix cache: off")
-        logger.info("plan:\n%s", plan_table(self.plan))
+            logger.debug("prefix cache: off")
+        logger.debug("plan:\n%s", plan_table(self.plan))
 
     @property
     def num_queued(self) -> int:

@@ -29,6 +29,7 @@ from tidal.serve import openai_api as oai
 from tidal.serve import openai_protocol as proto
 from tidal.sampling_params import SamplingParams, StructuredOutputsParams
 from tidal.serve.chat.constraints import reply_grammar
+from tidal.serve import responses_api
 from tidal.serve.chat import (
     DEFAULT_EFFORT,
     ChatFormat,
@@ -53,6 +54,7 @@ from tidal.serve.errors import (
 )
 from tidal.serve.images import encode_with_images
 from tidal.serve.metrics import ServerMetrics
+from tidal.serve.stats_log import log_stats
 from tidal.serve.ui import UI_PATHS, add_ui_routes
 
 logger = logging.getLogger("tidal.serve")
@@ -76,10 +78,11 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     generation_defaults: dict[str, Any] = field(default_factory=dict)
-    reasoning_alias: bool = False
+    reasoning_alias: bool = True
     ui: bool = True  # the chat page at / and /chat (--no-ui turns it off)
     default_reasoning_effort: str = DEFAULT_EFFORT  # chat completions' effort when a request names none
     image_limits: ImageLimits = field(default_factory=ImageLimits)
+    stats_interval: float = 0.0  # seconds between periodic stats lines (0: none)
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -335,9 +338,13 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         st.client.start()
+        stats = (asyncio.ensure_future(log_stats(st.client.stats, config.stats_interval))
+                 if config.stats_interval > 0 else None)
         try:
             yield
         finally:
+            if stats is not None:
+                stats.cancel()
             await st.client.stop()
 
     app = FastAPI(title="tidal", version=tidal.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -500,6 +507,8 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
         if body.stream:
             return sse_response(oai.framed(oai.completion_stream(stream, acc), stream))
         return oai.completion_response(await collect(request, stream), acc)
+
+    responses_api.register(app, st)
 
     # ---- Anthropic ----------------------------------------------------------------------------
     async def render_messages(body: anth.MessagesRequest | anth.CountTokensRequest

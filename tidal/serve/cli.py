@@ -9,25 +9,32 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tidal.multimodal.decode import DEFAULT_LIMIT_IMAGES_PER_PROMPT, DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
+from tidal.engine.core import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tidal.serve.app import DEFAULT_MAX_REQUEST_BYTES
+from tidal.units import parse_bytes, parse_count
 from tidal.serve.chat.effort import DEFAULT_EFFORT, REQUEST_EFFORTS, request_effort
 
+logger = logging.getLogger("tidal.serve")
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the description's lines and shows every default."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tidal serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="tidal serve", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model_dir", nargs="?", default=None, metavar="MODEL_DIR",
                    help="checkpoint directory (default: the embedded model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (checked before the model loads)")
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY or x-api-key)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first is reported (default: MODEL_DIR, or tidal-embedded)")
@@ -37,14 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="routed experts kept packed in this format (default: the checkpoint's "
                         "quantization_config; mxfp4 packs a dense checkpoint's experts at load)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda when available)")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="memory pool size in bytes")
+    p.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
+                   help="memory pool size: bytes, or with a unit (1GiB, 512MB; default: planned from free memory)")
+    p.add_argument("--max-model-len", type=parse_count, default=None,
+                   help="context limit in tokens, 8k = 8000, 8K = 8192 (default: the model's)")
+    p.add_argument("--max-num-batched-tokens", type=parse_count, default=None,
+                   help=f"tokens per engine step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="on a GPU, the pool is this share of device memory minus the weights (default 0.9)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly on a GPU")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch run as a captured CUDA graph (default 128)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages and KDA state of earlier requests' prefixes")
     p.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
@@ -56,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None, help="cap on requests running at once (default: none, the memory pool decides)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="cap on requests waiting; beyond it a request gets 503 with Retry-After (default: none)")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+    p.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413")
-    p.add_argument("--reasoning-alias", action="store_true",
+    p.add_argument("--reasoning-alias", action=argparse.BooleanOptionalAction, default=True,
                    help="also send reasoning as `reasoning` (vLLM's newer name) next to `reasoning_content`")
     p.add_argument("--no-ui", dest="ui", action="store_false", help="do not serve the chat page at / and /chat")
     p.add_argument("--default-reasoning-effort", default=None, choices=sorted(REQUEST_EFFORTS),
@@ -73,8 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-image-url-fetch", action="store_true",
                    help="fetch http(s) image URLs (off: only data: URLs and base64 images are taken)")
     p.add_argument("--image-fetch-timeout", type=float, default=5.0, help="seconds an image URL fetch may take")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="debug adds the memory planner's tables (also: tidal plan)")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="one line per HTTP request")
+    p.add_argument("--stats-interval", type=float, default=10.0,
+                   help="seconds between stats lines (throughput, queue, pool, prefix hits) while busy; 0: none")
     return p
 
 
@@ -110,6 +124,19 @@ def model_default_effort(model_dir: Path) -> str:
     return request_effort(value) if value is not None else DEFAULT_EFFORT
 
 
+def log_summary(st: Any, url: str) -> None:
+    """The start-up in a few lines: what is served, on what, with how much room, where."""
+    e = st.engine
+    lay = e.layout
+    logger.info("serving %s (%s): %s on %s, chat format %s, default thinking effort %s",
+                st.model_name, st.config.model_path, str(e.dtype).removeprefix("torch."), e.device,
+                st.chat.name if st.chat else "none", st.config.default_reasoning_effort)
+    logger.info("memory pool %.2f GiB: %d KV tokens, %d requests of %d tokens at once (%d of 1 token); "
+                "longest request %d tokens", lay.pool_bytes / 2**30, lay.kv_tokens_per_rank,
+                lay.max_requests(e.max_model_len), e.max_model_len, lay.max_requests(1), e.max_request_len)
+    logger.info("listening on %s (OpenAI /v1, Anthropic /v1/messages, /metrics)", url)
+
+
 def _make_server(config: Any, on_exit: Callable[[], None]) -> Any:
     import uvicorn
 
@@ -133,7 +160,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from tidal.config import ConfigError
     from tidal.embedded import embedded_model_dir
-    from tidal.engine.core import DEFAULT_MAX_NUM_BATCHED_TOKENS
     from tidal.llm import LLM
     from tidal.multimodal import ImageLimits
     from tidal.serve.app import ServerConfig, create_app
@@ -145,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     model_dir = Path(args.model_dir) if args.model_dir else embedded_model_dir()
+    try:  # the port first: a port in use is an error before minutes of loading, not after
+        sock = socket.create_server((args.host, args.port), reuse_port=False)
+    except OSError as e:
+        print(f"tidal serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
     try:
         llm = LLM(model_dir, dtype=dtype, device=device, quantization=args.quantization,
                   kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -168,15 +199,17 @@ def main(argv: list[str] | None = None) -> int:
         image_limits=ImageLimits(max_images=args.limit_mm_per_prompt, max_pixels=args.max_image_pixels,
                                  max_bytes=args.max_image_bytes, allow_url_fetch=args.allow_image_url_fetch,
                                  fetch_timeout=args.image_fetch_timeout),
+        stats_interval=args.stats_interval,
         info={"args": {k: v for k, v in vars(args).items() if k != "api_key"}},
     )
     app = create_app(llm.engine, config)
+    log_summary(app.state.tidal, f"http://{args.host}:{args.port}")
     client = app.state.tidal.client
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                access_log=args.access_log, timeout_graceful_shutdown=5)
     server = _make_server(uv_config, lambda: client.fail_all_threadsafe("the server is shutting down"))
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after the clean shutdown
         pass
     return 0

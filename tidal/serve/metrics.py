@@ -1,5 +1,6 @@
 """``GET /metrics``: Prometheus text, named as vLLM names its metrics (prefix ``tidal:``, label
-``model_name``) so dashboards and bench scrapers built for vLLM read tidal unchanged.
+``model_name``), and the families vLLM's Grafana dashboard reads once more under ``vllm:``, so
+dashboards and bench scrapers built for vLLM read tidal unchanged.
 
 Gauges and engine counters are read from the engine client's stats at scrape time; the per-request
 histograms are observed when a request ends (on the engine thread; prometheus-client is
@@ -23,6 +24,15 @@ from tidal.engine.request import RequestOutput
 from tidal.serve.engine_client import EngineStats
 
 PREFIX = "tidal:"
+VLLM_PREFIX = "vllm:"
+# The families vLLM's Grafana dashboard reads, exported again under vLLM's own prefix.
+VLLM_ALIASES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens", "generation_tokens",
+    "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "request_success",
+    "time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
+    "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
+    "request_generation_tokens",
+})
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -78,6 +88,22 @@ class _EngineCollector(Collector):
                 yield metric
 
 
+class _VllmAliases(Collector):
+    """The ``tidal:`` families of ``source`` that vLLM also has, renamed ``vllm:`` (samples and all)."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            short = family.name.removeprefix(PREFIX)
+            if short not in VLLM_ALIASES:
+                continue
+            alias = Metric(VLLM_PREFIX + short, family.documentation, family.type)
+            alias.samples = [s._replace(name=VLLM_PREFIX + s.name.removeprefix(PREFIX)) for s in family.samples]
+            yield alias
+
+
 class ServerMetrics:
     """The registry behind ``/metrics``; :meth:`observe` is the engine client's ``on_finished``."""
 
@@ -126,5 +152,7 @@ class ServerMetrics:
             self.queue.labels(name).observe(m.queue_time)
 
     def render(self) -> tuple[bytes, str]:
-        """(body, content type) for the scrape."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """(body, content type) for the scrape: tidal's families, then their vLLM-named aliases."""
+        aliases = CollectorRegistry()
+        aliases.register(_VllmAliases(self.registry))
+        return generate_latest(self.registry) + generate_latest(aliases), CONTENT_TYPE_LATEST
