@@ -411,3 +411,14 @@ def test_cli_subprocess_json():
     assert r.returncode == 2
     assert "weights do not fit" in json.loads(r.stdout)["error"]
     assert "Traceback" not in r.stderr
+
+
+def test_cli_tp_defaults_to_num_gpus_and_advice_names_what_fits(capsys):
+    from tidal.plan.cli import main
+
+    assert main(["--model", "kimi-k3", "--gpu-memory", "141", "--num-gpus", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inputs"]["tp_size"] == 16
+    assert main(["--model", "kimi-k3", "--gpu-memory", "141", "--num-gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "This fits: --num-gpus 16 --tp-size 16" in err and "mem-fraction-static" not in err.split("short by")[1]
+    assert main(["--model", "kimi-k3", "--gpu-memory", "141", "--num-gpus", "16"]) == 0

@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tidal plan", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="preset (kimi-k3, kimi-linear-48b), config.json or model dir")
     ap.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="memory of one GPU in GiB")
-    ap.add_argument("--num-gpus", type=int, default=None, help="GPUs (must equal --tp-size; default: --tp-size)")
-    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--num-gpus", type=int, default=None, help="GPUs (default: --tp-size)")
+    ap.add_argument("--tp-size", type=int, default=None, help="tensor parallel size (default: --num-gpus, else 1)")
     ap.add_argument("--dcp-size", type=int, default=1, help="decode context parallel size (divides --tp-size)")
     ap.add_argument("--ep-size", type=int, default=1, help="expert parallel size (divides --tp-size)")
     ap.add_argument("--mem-fraction-static", type=float, default=0.9)
@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.tp_size is None:
+        args.tp_size = args.num_gpus or 1
     try:
         name, config, a_log = load_model(args.model)
         p = plan(

@@ -122,9 +122,30 @@ def plan(
         raise PlanError(
             f"weights do not fit: {_gib(per_rank)} per rank, but {_gib(static - reserve_bytes)} is available "
             f"({gpu_memory_gib:g} GiB x mem_fraction_static {mem_fraction_static:g} - {_gib(reserve_bytes)} reserve); "
-            f"short by {_gib(-pool)} before any KV or state. Use more GPUs or a larger --mem-fraction-static"
+            f"short by {_gib(-pool)} before any KV or state. {_what_fits(config, static - reserve_bytes, tp_size, ep_size, a_log_values)}"
         )
     return _assemble(config, par, weights, per_rank, False, pool, gpu, mem_fraction_static, reserve_bytes, model, **kw)
+
+
+def _what_fits(config: ModelConfig, room: int, tp_size: int, ep_size: int, a_log_values: int | None) -> str:
+    """Advice that names a layout whose weights fit in ``room`` bytes per GPU: a higher EP on the
+    same GPUs first, else the fewest more GPUs (TP, with the smallest EP that fits), up to 64."""
+    tp = tp_size
+    while tp <= 64:
+        ep = ep_size * 2 if tp == tp_size else 1
+        while ep <= tp:
+            try:
+                check_parallel(config, Parallel(tp, 1, ep, tp))
+                need = sum(w.per_rank_bytes for w in weight_breakdown(config, tp_size=tp, ep_size=ep,
+                                                                       a_log_values=a_log_values))
+            except PlanError:
+                need = None
+            if need is not None and need < room:
+                return (f"This fits: --num-gpus {tp} --tp-size {tp} --ep-size {ep} "
+                        f"({_gib(need)} of weights per rank)")
+            ep *= 2
+        tp *= 2
+    return "The weights do not fit on up to 64 GPUs of this size: use GPUs with more memory"
 
 
 def plan_for_pool(
