@@ -136,10 +136,10 @@ class EngineCore:
         if config.enable_prefix_caching:
             interval = config.prefix_snapshot_interval
             self.prefix_cache = PrefixCache(self.pool, self.plan.prefix_snapshot_interval if interval is None else interval)
-        for name in ("max_running_requests", "max_queued_requests"):
+        for name, least in (("max_running_requests", 1), ("max_queued_requests", 0)):
             cap = getattr(config, name)
-            if cap is not None and cap < (1 if name == "max_running_requests" else 0):
-                raise ValueError(f"{name} must be >= {1 if name == 'max_running_requests' else 0}, got {cap}")
+            if cap is not None and cap < least:
+                raise ValueError(f"{name} must be >= {least}, got {cap}")
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, self.prefix_cache,
                                    max_running_requests=config.max_running_requests)
         self.media_pad_id = self._media_pad_id(tokenizer)
