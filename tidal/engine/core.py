@@ -62,7 +62,8 @@ class EngineConfig:
     prefix_snapshot_interval: int | None = None
     # Backpressure (None: no cap; the pool alone bounds memory, see the README). The running set
     # (SGLang's max_running_requests, vLLM's max_num_seqs) and the waiting queue: add_request
-    # raises QueueFullError when max_queued_requests are queued already (EngineCore.num_queued).
+    # raises QueueFullError when max_queued_requests are queued already (EngineCore.num_queued:
+    # every request not running, as SGLang counts; at least 1, since 0 would refuse everything).
     max_running_requests: int | None = None
     max_queued_requests: int | None = None
     # Vision models: bytes of tower outputs kept by image hash (taken from the default pool budget).
@@ -136,7 +137,7 @@ class EngineCore:
         if config.enable_prefix_caching:
             interval = config.prefix_snapshot_interval
             self.prefix_cache = PrefixCache(self.pool, self.plan.prefix_snapshot_interval if interval is None else interval)
-        for name, least in (("max_running_requests", 1), ("max_queued_requests", 0)):
+        for name, least in (("max_running_requests", 1), ("max_queued_requests", 1)):
             cap = getattr(config, name)
             if cap is not None and cap < least:
                 raise ValueError(f"{name} must be >= {least}, got {cap}")
@@ -202,10 +203,10 @@ class EngineCore:
 
     @property
     def num_queued(self) -> int:
-        """Waiting requests beyond the running cap's free places: those the next step cannot start
-        because of the cap (without a running cap, every request not yet started)."""
-        waiting, cap = len(self.scheduler.waiting), self.config.max_running_requests
-        return waiting if cap is None else max(0, waiting - max(0, cap - len(self.scheduler.running)))
+        """Requests added and not running: the scheduler's waiting queue (preempted ones included)
+        and samples held back behind their fork leader, whether or not the running set has room
+        (SGLang's count for --max-queued-requests: its len(waiting_queue) at arrival)."""
+        return len(self.scheduler.waiting) + sum(len(f) for f in self._forks.values())
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(

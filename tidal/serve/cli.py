@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", "--max-num-seqs", dest="max_running_requests", type=int,
                    default=None, help="cap on requests running at once (default: none, the memory pool decides)")
     p.add_argument("--max-queued-requests", type=int, default=None,
-                   help="cap on requests waiting; beyond it a request gets 503 with Retry-After (default: none)")
+                   help="cap on requests not running (new, preempted: SGLang's count); beyond it a request gets 503 "
+                        "with Retry-After (default: none)")
     p.add_argument("--max-request-bytes", type=parse_bytes, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413")
     p.add_argument("--reasoning-alias", action=argparse.BooleanOptionalAction, default=True,
