@@ -4,6 +4,8 @@ a pool whose books do not add up afterwards kills the engine, and the server the
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -96,5 +98,56 @@ def test_server_fails_the_step_then_dies_on_corruption(monkeypatch):
         assert health.status_code == 503 and "inconsistent" in health.json()["error"]["message"]
         again = httpx.post(server.url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "x"})
         assert again.status_code == 503
+    finally:
+        server.stop()
+
+
+def _sse_events(response: httpx.Response) -> list[tuple[str | None, str]]:
+    """(event name or None, data) of every SSE event of a streamed reply, read to its end."""
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event:"):
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("data:"):
+            events.append((name, line.split(":", 1)[1].strip()))
+            name = None
+    return events
+
+
+def test_open_streams_end_with_an_error_event_when_the_engine_dies(monkeypatch):
+    """Public behaviour only (the engine may run in a thread or a process of its own): a stream
+    whose engine dies mid-reply gets an error event naming the cause and ends; a stream still
+    waiting for the running set gets one too; /health turns 503."""
+    monkeypatch.setenv(FAULT_ENV, "corrupt-pool-at-step:40")
+    server = start_server("--max-num-seqs", "1")
+    try:
+        chat = {"model": MODEL, "stream": True, "max_tokens": 64, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "tell me a story"}]}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=chat, timeout=120) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            head = next(line for line in lines if line.startswith("data:"))  # it runs: a first chunk is out
+            assert json.loads(head.split(":", 1)[1])["object"] == "chat.completion.chunk"
+            waiting_body = {"model": MODEL, "stream": True, "max_tokens": 8,
+                            "messages": [{"role": "user", "content": "hi"}]}
+            with httpx.stream("POST", server.url + "/v1/messages", json=waiting_body, timeout=120) as second:
+                assert second.status_code == 200  # accepted: it waits behind the running one
+                rest = [line.split(":", 1)[1].strip() for line in lines if line.startswith("data:")]
+                anthropic = _sse_events(second)
+        chunks = [json.loads(d) for d in rest if d != "[DONE]"]
+        assert rest[-1] == "[DONE]" and rest.count("[DONE]") == 1  # the stream ends, once
+        error = chunks[-1]["error"]
+        assert "injected pool corruption at step 40" in error["message"], error
+        assert all("error" not in c for c in chunks[:-1])
+        assert any(c["choices"] and c["choices"][0]["delta"].get("content") for c in chunks[:-1])  # it had started
+        names = [name for name, _ in anthropic]
+        assert names[-1] == "error" and names.count("error") == 1, names
+        body = json.loads(anthropic[-1][1])
+        assert body["type"] == "error" and "inconsistent" in body["error"]["message"], body
+        assert "content_block_delta" not in names  # it never ran
+        health = httpx.get(server.url + "/health", timeout=10)
+        assert health.status_code == 503 and "inconsistent" in health.json()["error"]["message"]
+        late = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={**chat, "stream": True})
+        assert late.status_code == 503  # refused before any stream opens
     finally:
         server.stop()
