@@ -172,7 +172,9 @@ class ForwardBatch:
 class SimpleCache:
     """Reference cache: plain per-sequence tensors that grow with every step.
 
-    Used by tests, the offline reference path and anywhere paging does not matter.
+    Used by tests, the offline reference path and anywhere paging does not matter. On a decode-
+    context-parallel rank (``dcp_size`` > 1) it keeps the MLA latents of the logical tokens i with
+    i % dcp_size == dcp_rank only, in order (``tidal.parallel.dcp``).
     """
 
     def __init__(
@@ -181,9 +183,13 @@ class SimpleCache:
         num_seqs: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        dcp_rank: int = 0,
+        dcp_size: int = 1,
     ) -> None:
         self.config = config
         self.num_seqs = num_seqs
+        self.dcp_rank, self.dcp_size = dcp_rank, dcp_size
+        self._cached_lens: list[int] = []
         state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         self.kda_conv = [
             torch.zeros(num_seqs, *config.kda_conv_state_shape, dtype=dtype, device=device)
@@ -203,6 +209,7 @@ class SimpleCache:
         if batch.num_seqs != self.num_seqs:
             raise ValueError(f"batch has {batch.num_seqs} sequences, cache holds {self.num_seqs}")
         self._query_lens = list(batch.query_lens)
+        self._cached_lens = list(batch.cached_lens)
 
     def seq_len(self, seq: int) -> int:
         return self.mla[0][seq].shape[0] if self.mla else -1
@@ -222,6 +229,9 @@ class SimpleCache:
         parts = torch.split(latents, self._query_lens)
         layer = self.mla[mla_layer]
         for b, part in enumerate(parts):
+            if self.dcp_size > 1:  # this rank's tokens: logical position % dcp_size == dcp_rank
+                first = (self.dcp_rank - self._cached_lens[b]) % self.dcp_size
+                part = part[first :: self.dcp_size]
             layer[b] = torch.cat([layer[b], part.to(layer[b].dtype)])
 
     def mla_read(self, mla_layer: int, seq: int) -> torch.Tensor:

@@ -41,6 +41,9 @@ class KimiMLA(nn.Module):
         self.o_proj = linear(n * config.v_head_dim, d)
         self.in_proj: FusedWeights | None = None  # set by fuse_weights (serving)
         self.scale = config.qk_head_dim ** -0.5
+        # Set on a decode-context-parallel rank (tidal.parallel.dcp): the cache then holds this rank's
+        # slice of the tokens, and attention over it is merged across the DCP group.
+        self.context_parallel = None
 
     def fuse_weights(self) -> None:
         """Make the projections of x (q or q_a, kv_a, the output gate) row views of one tensor: one
@@ -73,10 +76,23 @@ class KimiMLA(nn.Module):
         c, k_pe = kv.split([self.kv_lora_rank, self.qk_rope], dim=-1)
         batch.cache.mla_write(self.mla_index, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
         w = self.kv_b_proj.weight
-        out = x.new_empty(T, n, self.v_dim)
+        if self.context_parallel is not None:
+            out = self.context_parallel.attend(q_nope, q_pe, w, self.scale, batch, self.mla_index)
+        else:
+            out = self._attend(q_nope, q_pe, w, batch)
+        out = out.reshape(T, n * self.v_dim)
+        if gate is not None:
+            cdt = compute_dtype(x.dtype)
+            out = (out.to(cdt) * torch.sigmoid(gate.to(cdt))).to(x.dtype)
+        return self.o_proj(out)
+
+    def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Attention of the step's queries over all of each sequence's latents -> [T, n, d_v]."""
+        T, n = q_nope.shape[:2]
+        out = q_nope.new_empty(T, n, self.v_dim)
         paged = getattr(batch.cache, "mla_pages", None)  # a paged cache: read the pages in place
         if batch.decode_seqs:
-            rows = batch.decode_tokens(x.device)
+            rows = batch.decode_tokens(q_nope.device)
             if paged is not None:
                 pages = paged(self.mla_index, batch.decode_seqs)
                 out[rows] = mla_paged_decode(q_nope[rows], q_pe[rows], *pages, w, self.scale)
@@ -86,7 +102,7 @@ class KimiMLA(nn.Module):
                 out[rows] = o[:, 0]
         for b in batch.prefill_seqs:
             sl = batch.token_slice(b)
-            if use_triton(x):  # the GPU's key-tiled flash kernel (tidal.ops.backends)
+            if use_triton(q_nope):  # the GPU's key-tiled flash kernel (tidal.ops.backends)
                 latents = batch.cache.mla_read(self.mla_index, b)
                 out[sl] = mla_prefill_attention(q_nope[sl], q_pe[sl], latents, w, self.scale)
             elif paged is not None:
@@ -96,8 +112,4 @@ class KimiMLA(nn.Module):
             else:
                 latents = batch.cache.mla_read(self.mla_index, b)
                 out[sl] = mla_naive_attention(q_nope[sl], q_pe[sl], latents, w, self.scale)
-        out = out.reshape(T, n * self.v_dim)
-        if gate is not None:
-            cdt = compute_dtype(x.dtype)
-            out = (out.to(cdt) * torch.sigmoid(gate.to(cdt))).to(x.dtype)
-        return self.o_proj(out)
+        return out

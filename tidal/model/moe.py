@@ -131,10 +131,18 @@ class Router(nn.Module):
         return ids, weights * c.routed_scaling_factor
 
 
-def group_by_expert(ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+def group_by_expert(
+    ids: torch.Tensor, local: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, list[int], list[int]]:
     """ids [T, k] -> (slot order sorted by expert, stable; active experts ascending; their slot
-    counts). One host sync, for the two lists."""
+    counts). One host sync, for the two lists. ``local`` = (first, count): only the slots routed to
+    experts first .. first + count - 1 (a rank's experts under EP), numbered from 0."""
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    if local is not None:
+        keep = (sorted_ids >= local[0]) & (sorted_ids < local[0] + local[1])
+        sorted_ids, order = sorted_ids[keep] - local[0], order[keep]
+        if not sorted_ids.numel():
+            return order, [], []
     experts, counts = torch.stack(torch.unique_consecutive(sorted_ids, return_counts=True)).tolist()
     return order, experts, counts
 
@@ -170,6 +178,9 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.zeros(E, inter, d))
         self.w2 = nn.Parameter(torch.zeros(E, d, inter))
         self._w13: FusedWeights | None = None  # set by fuse_weights (serving)
+        # (first, count): the router's experts this module holds, as experts 0..count-1 (a rank's
+        # share under expert parallelism, tidal.parallel); None: all of them.
+        self.local_experts: tuple[int, int] | None = None
 
     def fuse_weights(self) -> None:
         """Keep w1 and w3 as the two halves of one [E, 2I, d_e] tensor, so each expert's gate and up
@@ -204,15 +215,17 @@ class Experts(nn.Module):
         if T == 0:
             return out
         w13 = self._fused()
-        if use_triton(h) and not (torch.is_grad_enabled() and h.requires_grad):
+        if use_triton(h) and not (torch.is_grad_enabled() and h.requires_grad) and self.local_experts is None:
             # the GPU's grouped kernel: no host sync, no per-expert loop
             gate_up = w13 if w13 is not None else torch.cat([self.w1, self.w3], dim=1)
             return backends.routed_experts(h, ids, weights, (gate_up, None), (self.w2, None),
                                            lambda g, u: activate(self.config, g, u))
         kernel = grouped_gemm_for(h, w13, self.w2) if w13 is not None else None
-        if T == 1 and kernel is None:
+        if T == 1 and kernel is None and self.local_experts is None:
             return self._one_token(h, ids, weights, out)
-        order, experts, counts = group_by_expert(ids)
+        order, experts, counts = group_by_expert(ids, self.local_experts)
+        if not experts:
+            return out
         token_of = order // k
         w_sorted = weights.reshape(-1)[order]
         if kernel is not None and max(counts) <= FEW_ROWS:
@@ -283,6 +296,7 @@ class PackedExperts(nn.Module):
         self.register_buffer("w13_weight_scale", torch.zeros(E, 2 * inter, d // BLOCK, **u8))
         self.register_buffer("w2_weight_packed", torch.zeros(E, d, inter // 2, **u8))
         self.register_buffer("w2_weight_scale", torch.zeros(E, d, inter // BLOCK, **u8))
+        self.local_experts: tuple[int, int] | None = None  # as Experts.local_experts
 
     @classmethod
     def from_dense(cls, experts: Experts) -> "PackedExperts":
@@ -293,6 +307,7 @@ class PackedExperts(nn.Module):
             packed.set_expert_weights("w1", slice(None), experts.w1.detach().float())
             packed.set_expert_weights("w3", slice(None), experts.w3.detach().float())
             packed.set_expert_weights("w2", slice(None), experts.w2.detach().float())
+        packed.local_experts = experts.local_experts
         return packed
 
     def target(self, leaf: str, part: str) -> torch.Tensor:
@@ -315,19 +330,21 @@ class PackedExperts(nn.Module):
         """As :meth:`Experts.forward`; a row's result in decode-sized batches does not depend on the
         other rows at all (bitwise: see ``tidal.ops.mxfp4_moe``)."""
         T, k = ids.shape
-        if T and use_triton(h):  # the GPU: the grouped kernel decodes E2M1 itself, no host sync
+        if T and use_triton(h) and self.local_experts is None:  # the GPU: the grouped kernel decodes E2M1 itself, no host sync
             return backends.routed_experts(h, ids, weights, (self.w13_weight_packed, self.w13_weight_scale),
                                            (self.w2_weight_packed, self.w2_weight_scale),
                                            lambda g, u: activate(self.config, g, u))
         out = torch.zeros(T, h.shape[-1], dtype=compute_dtype(h.dtype), device=h.device)
         if T == 0:
             return out
-        if T == 1:  # the grouping of one token: its experts in ascending order, one row each
+        if T == 1 and self.local_experts is None:  # one token: its experts ascending, one row each
             expert_ids, order = ids[0].sort()
             experts, counts = expert_ids.tolist(), [1] * k
             offsets = torch.arange(k + 1, dtype=torch.int64)
         else:
-            order, experts, counts = group_by_expert(ids)
+            order, experts, counts = group_by_expert(ids, self.local_experts)
+            if not experts:
+                return out
             offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum_(0)
             expert_ids = torch.tensor(experts, dtype=torch.int64)
         token_of = order // k

@@ -1,0 +1,110 @@
+"""Tensor, expert and decode-context parallelism: real rank processes joined by gloo, against TP 1 on
+the same checkpoint (tiny K3: AttnRes, latent MoE, MXFP4 experts; tiny Kimi Linear).
+
+The engine runs SPMD on every rank (same scheduler decisions, logits gathered over the vocabulary,
+so every rank samples the same token): greedy tokens must equal TP 1's and prompt logprobs stay
+within 1e-3 (float32; the all-reduce order changes the sums), through chunked prefills, decodes,
+preemptions, prefix-cache hits and an abort, with each rank's pool back to its start afterwards."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import parallel_ranks as pr  # noqa: E402
+from tidal.model.checkpoint import load_model  # noqa: E402
+from tidal.parallel.groups import Collectives, RankPlace  # noqa: E402
+from tidal.parallel.launch import run_ranks  # noqa: E402
+from tidal.parallel.loader import load_rank_model  # noqa: E402
+from tidal.parallel.shard import build_rank_model, copy_shards  # noqa: E402
+from tidal.plan.weights import weight_breakdown  # noqa: E402
+
+# (checkpoint, tp, ep, dcp)
+ENGINE_LAYOUTS = [("k3", 2, 1, 1), ("k3", 2, 2, 1), ("kl", 2, 2, 1)]
+DCP_LAYOUTS = [("k3", 2, 1, 2), ("k3", 4, 1, 2), ("kl", 4, 2, 4)]
+ALL = sorted({lay for lay in ENGINE_LAYOUTS + DCP_LAYOUTS})
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("parallel")
+    return {kind: str(pr.make_checkpoint(kind, root / kind)) for kind in ("k3", "kl")}
+
+
+def _solo(place: RankPlace) -> Collectives:
+    return Collectives(place, None, None)  # loading and slicing need no process group
+
+
+@pytest.mark.parametrize("layout", ALL)
+def test_sharded_load_reads_only_its_slices(ckpts, layout) -> None:
+    """Each rank's tensors, read through safetensors slices, equal the same slices of the whole
+    loaded model; the ranks together read each routed expert once, and no rank the whole model."""
+    kind, tp, ep, dcp = layout
+    full = load_model(ckpts[kind], torch.float32, quantization="mxfp4" if kind == "k3" else None)
+    packed = kind == "k3"
+    read = []
+    for rank in range(tp):
+        place = RankPlace(rank, tp, ep, dcp)
+        got = load_rank_model(ckpts[kind], place, _solo(place), torch.float32)
+        want = copy_shards(full, build_rank_model(full.config, place, _solo(place), packed=packed), place)
+        w, g = want.state_dict(), got.state_dict()
+        assert w.keys() == g.keys()
+        for name in w:
+            assert torch.equal(w[name], g[name]), (rank, name)
+        read.append(got.loaded_bytes)
+        per_rank = sum(s.per_rank_bytes for s in weight_breakdown(full.config, tp_size=tp, ep_size=ep))
+        held = sum(t.numel() * t.element_size() for t in [*got.parameters(), *got.buffers()])
+        assert held == per_rank, "the planner's per-rank weight bytes are what a rank holds"
+    whole = sum(t.numel() * t.element_size() for t in [*full.parameters(), *full.buffers()])
+    assert max(read) < whole
+
+
+def _close(ref: dict, got: dict, where: str) -> None:
+    assert got["tokens"] == ref["tokens"], where
+    worst = 0.0
+    for rid, lps in ref["prompt_logprobs"].items():
+        assert len(got["prompt_logprobs"][rid]) == len(lps), (where, rid)
+        for a, b in zip(lps, got["prompt_logprobs"][rid]):
+            if a is not None:
+                worst = max(worst, abs(a - b))
+    assert worst < 1e-3, (where, worst)
+
+
+@pytest.fixture(scope="module")
+def ranks(ckpts) -> list[dict]:
+    """Four rank processes run every layout (one start-up for all)."""
+    return run_ranks(pr.layouts_program, tp_size=4, world_size=4, args=(ckpts, ENGINE_LAYOUTS, DCP_LAYOUTS),
+                     timeout_s=900)
+
+
+def test_engine_on_ranks_equals_tp1(ckpts, ranks) -> None:
+    refs = {kind: pr.rank_program(RankPlace(0), _solo(RankPlace(0)), path) for kind, path in ckpts.items()}
+    assert refs["k3"]["preemptions"] > 0 and refs["k3"]["prefix_hits"] > 0
+    assert refs["kl"]["prefix_hits"] > 0
+    for i, (kind, tp, ep, dcp) in enumerate(ENGINE_LAYOUTS):
+        for rank in range(tp):
+            got = ranks[rank]["engine"][i]
+            where = f"{kind} tp{tp} ep{ep} dcp{dcp} rank {rank}"
+            _close(refs[kind], got, where)
+            assert got["pool_back_to_start"], where
+            assert got["preemptions"] + got["prefix_hits"] > 0, where
+            # the planner's per-rank pool: what the rank allocated, its KDA state 1/tp of TP 1's
+            assert got["pool_buffer_bytes"] == got["num_blocks"] * got["block_bytes"], where
+            assert got["state_bytes"] * tp == refs[kind]["state_bytes"], where
+
+
+def test_dcp_forward_on_ranks_equals_tp1(ckpts, ranks) -> None:
+    """DCP: each rank holds 1/dcp of the MLA latents (none of a 1-token request on ranks past the
+    first) and the merged attention gives TP 1's logits, through prefill chunks next to decodes."""
+    refs = {kind: pr.forward_program(RankPlace(0), _solo(RankPlace(0)), path) for kind, path in ckpts.items()}
+    for i, (kind, tp, ep, dcp) in enumerate(DCP_LAYOUTS):
+        for rank in range(tp):
+            for step, (want, got) in enumerate(zip(refs[kind], ranks[rank]["forward"][i])):
+                err = float((want - got).abs().max())
+                assert err < 1e-3, (kind, tp, ep, dcp, rank, step, err)
+                assert torch.equal(want.argmax(-1), got.argmax(-1))
