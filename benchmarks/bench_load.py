@@ -1,10 +1,13 @@
 """Checkpoint load speed against reading the same files with ``cat``, in one command.
 
     python benchmarks/bench_load.py --size-gb 1
+    python benchmarks/bench_load.py --size-gb 1 --tp-size 2 --ep-size 2
 
 Writes a random Kimi Linear-layout checkpoint of about --size-gb (bf16, sharded), then times
 ``cat shards > /dev/null`` and ``load_model`` on the same files, each after dropping the page cache
-when the machine allows it (else both warm), and prints GB/s and the ratio.
+when the machine allows it (else both warm), and prints GB/s and the ratio. With ``--tp-size`` N
+the load is N rank processes each reading only its slices (``tidal.parallel.loader``), timed from a
+barrier before to a barrier after (process start-up excluded); GB/s counts the bytes all ranks read.
 """
 
 from __future__ import annotations
@@ -45,10 +48,33 @@ def drop_caches() -> bool:
         return False
 
 
+def _rank_load(place, comm, path: str) -> tuple[int, float]:
+    """One rank: its shard's bytes and seconds, between two barriers."""
+    import torch.distributed as dist
+
+    from tidal.parallel.loader import load_rank_model
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    model = load_rank_model(path, place, comm, torch.bfloat16)
+    dist.barrier()
+    return model.loaded_bytes, time.perf_counter() - t0
+
+
+def load_on_ranks(path: Path, tp: int, ep: int) -> tuple[int, float]:
+    """(bytes all ranks read, seconds of the slowest) for a sharded load on tp processes."""
+    from tidal.parallel.launch import run_ranks
+
+    results = run_ranks(_rank_load, tp_size=tp, ep_size=ep, args=(str(path),), timeout_s=3600)
+    return sum(b for b, _ in results), max(t for _, t in results)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size-gb", type=float, default=1.0)
     ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
+    ap.add_argument("--tp-size", type=int, default=1, help="load as this many rank processes (sharded)")
+    ap.add_argument("--ep-size", type=int, default=1)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     config = big_config(args.size_gb)
@@ -70,13 +96,18 @@ def main() -> None:
             subprocess.run(["sh", "-c", "cat \"$@\" > /dev/null", "cat", *map(str, files)], check=True)
             t_cat = time.perf_counter() - t0
             drop_caches()
-            t0 = time.perf_counter()
-            loaded = load_model(out, dtype=torch.bfloat16)
-            t_load = time.perf_counter() - t0
-            del loaded
+            if args.tp_size == 1:
+                t0 = time.perf_counter()
+                loaded = load_model(out, dtype=torch.bfloat16)
+                t_load, read = time.perf_counter() - t0, size
+                del loaded
+            else:
+                read, t_load = load_on_ranks(out, args.tp_size, args.ep_size)
         state = "cold page cache" if cold else "warm page cache (could not drop caches)"
+        what = "load_model" if args.tp_size == 1 else f"{args.tp_size} ranks (ep {args.ep_size}), {read / 1e9:.2f} GB read"
         print(f"[{state}] cat: {size / t_cat / 1e9:.2f} GB/s ({t_cat:.2f} s)   "
-              f"load_model: {size / t_load / 1e9:.2f} GB/s ({t_load:.2f} s)   ratio load/cat = {t_cat / t_load:.2f}")
+              f"{what}: {read / t_load / 1e9:.2f} GB/s ({t_load:.2f} s)   "
+              f"ratio (GB/s) load/cat = {read / t_load / (size / t_cat):.2f}")
 
 
 if __name__ == "__main__":
