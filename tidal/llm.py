@@ -15,6 +15,7 @@ from tidal.model.checkpoint import resolve_quantization
 from tidal.model.kimi import KimiForCausalLM
 from tidal.model.moe import pack_experts
 from tidal.sampling_params import SamplingParams
+from tidal.spec.config import SpeculativeConfig
 
 PromptType = Union[str, dict[str, Any]]
 
@@ -38,7 +39,8 @@ class LLM:
     ``enable_prefix_caching`` / ``prefix_snapshot_interval``: see :class:`EngineConfig`.
     ``quantization`` (vLLM's): "mxfp4" keeps the routed experts packed in MXFP4, quantising dense
     ones; None follows the checkpoint (MXFP4 experts stay packed). An in-memory model is used as it
-    is unless "mxfp4" is asked.
+    is unless "mxfp4" is asked. ``speculative_*`` / ``enable_linear_replayssm_spec``: speculative
+    decoding as SGLang names it (:class:`tidal.spec.SpeculativeConfig`).
     """
 
     def __init__(
@@ -60,7 +62,15 @@ class LLM:
         max_queued_requests: int | None = None,
         disable_cuda_graph: bool = False,
         cuda_graph_max_bs: int | None = None,
+        speculative_algorithm: str | None = None,
+        speculative_num_draft_tokens: int | None = None,
+        speculative_draft_model_path: str | None = None,
+        speculative_dspark_block_size: int | None = None,
+        enable_linear_replayssm_spec: bool = False,
     ) -> None:
+        speculative = SpeculativeConfig.from_args(  # bad settings fail before the model loads
+            speculative_algorithm, speculative_num_draft_tokens, speculative_draft_model_path,
+            speculative_dspark_block_size, enable_linear_replayssm_spec)
         device = torch.device(device) if device is not None else torch.device("cpu")
         if isinstance(model, torch.nn.Module):
             net = model
@@ -94,6 +104,7 @@ class LLM:
         if mem_fraction_static is not None:
             config.mem_fraction_static = mem_fraction_static
         config.disable_cuda_graph = disable_cuda_graph
+        config.speculative = speculative
         if cuda_graph_max_bs is not None:
             config.cuda_graph_max_bs = cuda_graph_max_bs
         self.engine = EngineCore(net, config, self.tokenizer)

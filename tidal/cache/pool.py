@@ -321,6 +321,20 @@ class MemoryPool:
             block = high
         self._states[dst] = block
 
+    def swap_states(self, a: Hashable, b: Hashable) -> None:
+        """Exchange the state blocks of two owners: bookkeeping only, no bytes move (a verified
+        chain keeps the accepted position's state this way, ``tidal.spec.rollback``)."""
+        self._states[a], self._states[b] = self._states[b], self._states[a]
+
+    def truncate(self, owner: Hashable, num_tokens: int) -> None:
+        """Let go of ``owner``'s pages past the first ``num_tokens`` tokens (rejected drafts)."""
+        table = self._tables.get(owner)
+        keep = self.pages_for(num_tokens)
+        if table is None or len(table) <= keep:
+            return
+        for i in range(len(table) - 1, keep - 1, -1):
+            self._release(owner, table.pop(), i)
+
     def free_state(self, owner: Hashable) -> None:
         """Release ``owner``'s state block only (its pages stay)."""
         block = self._states.pop(owner, None)

@@ -35,6 +35,8 @@ from tidal.model.kimi import KimiForCausalLM
 from tidal.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BYTES, EncoderCache
 from tidal.plan import SNAPSHOT_KV_FRACTION, Plan, PoolLayout, plan_for_pool, plan_table
 from tidal.sampling_params import SamplingParams
+from tidal.spec.config import SpeculativeConfig
+from tidal.spec.decoder import SpecDecoder
 
 logger = logging.getLogger("tidal.engine")
 
@@ -72,6 +74,8 @@ class EngineConfig:
     # sequences (SGLang's --disable-cuda-graph / --cuda-graph-max-bs).
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 128
+    # Speculative decoding (SGLang's --speculative-*; None: off), see tidal.spec.
+    speculative: SpeculativeConfig | None = None
 
 
 def available_ram_bytes() -> int:
@@ -148,6 +152,9 @@ class EngineCore:
         self.runner = ModelRunner(model, self.pool, self.encoder_cache,
                                   cuda_graph=not config.disable_cuda_graph, cuda_graph_max_bs=config.cuda_graph_max_bs,
                                   max_context=min(self.max_model_len, self.layout.max_context_len()))
+        self.spec: SpecDecoder | None = None
+        if config.speculative is not None:
+            self.spec = SpecDecoder(config.speculative, self.pool, self.model_config)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None)
@@ -355,6 +362,8 @@ class EngineCore:
         if req is None:
             return None
         self.scheduler.remove(req)
+        if self.spec is not None:
+            self.spec.forget(request_id)
         self._release_forks()
         req.abort()
         req.metrics.finished_time = time.monotonic()
@@ -377,6 +386,8 @@ class EngineCore:
             self._steps_started += 1
             if self.faults is not None:
                 self.faults.before_step(self._steps_started, self.pool)
+            if self.spec is not None:
+                self.spec.extend(batch, self.config.max_num_batched_tokens - batch.num_tokens)
             return self._run_step(batch)
         except Exception as e:
             raise self._fail_step(batch, e) from e
@@ -387,6 +398,8 @@ class EngineCore:
         logger.error("engine step failed: %s: %s; failing its %d request(s)", type(cause).__name__, cause,
                      len(batch.requests), exc_info=cause)
         rids = [r.request_id for r in batch.requests if r.request_id in self.requests]
+        if self.spec is not None:
+            self.spec.release_all()
         for rid in rids:
             self.abort_request(rid)
         problems = recount(self.pool, self.prefix_cache)
@@ -406,11 +419,14 @@ class EngineCore:
         self._metrics.num_steps += 1
         for b, (positions, lg) in logits.prompt.items():
             self._record_prompt_logprobs(batch.requests[b], positions, lg)
-        for req, n in zip(batch.requests, batch.query_lens):
-            req.num_computed_tokens += n
-        snap = [r for r, c, n in zip(batch.requests, batch.cached_lens, batch.query_lens)
-                if self.scheduler.snapshot_due(r, c, n)]
+        for b, (req, n) in enumerate(zip(batch.requests, batch.query_lens)):
+            if b not in batch.drafts:  # a chain's computed tokens are what it commits
+                req.num_computed_tokens += n
+        snap = [r for b, (r, c, n) in enumerate(zip(batch.requests, batch.cached_lens, batch.query_lens))
+                if b not in batch.drafts and self.scheduler.snapshot_due(r, c, n)]
         outputs = self._sample(batch, logits) if logits.sample_logits is not None else []
+        if logits.chains:
+            outputs += self._commit_chains(batch, logits)
         for req in snap:
             if not req.finished:  # a finished one handed its state to the cache already
                 self.scheduler.snapshot(req)
@@ -425,24 +441,56 @@ class EngineCore:
                 for r in reqs]
         now = time.monotonic()
         for req, res in zip(reqs, sample(logits.sample_logits, rows)):
-            if req.logprobs is not None:
-                entry = {res.token_id: Logprob(res.logprob, res.rank, self._piece(res.token_id))}
-                for i, (tok, lp) in enumerate(res.top):
-                    entry.setdefault(tok, Logprob(lp, i + 1, self._piece(tok)))
-                req.logprobs.append(entry)
-                req.cumulative_logprob += res.logprob
-            if req.constraint is not None:
-                req.constraint.accept(res.token_id)
-                if isinstance(req.constraint, PrefixConstraint) and req.constraint.finished:
-                    req.constraint = None
-            req.append_token(res.token_id)
-            req.metrics.on_token(now)
-            self._metrics.generation_tokens += 1
-            if req.finished:
-                req.metrics.finished_time = now
-                self.scheduler.finish(req)
-                self.requests.pop(req.request_id, None)
-                self._metrics.num_requests_finished += 1
+            self._append(req, res, now)
+            self._finish_if_done(req, now)
+            outputs.append(req.to_output())
+        return outputs
+
+    def _append(self, req: Request, res, now: float) -> None:
+        """Record one sampled token of ``req`` (logprobs, constraint, stop checks, metrics)."""
+        if req.logprobs is not None:
+            entry = {res.token_id: Logprob(res.logprob, res.rank, self._piece(res.token_id))}
+            for i, (tok, lp) in enumerate(res.top):
+                entry.setdefault(tok, Logprob(lp, i + 1, self._piece(tok)))
+            req.logprobs.append(entry)
+            req.cumulative_logprob += res.logprob
+        if req.constraint is not None:
+            req.constraint.accept(res.token_id)
+            if isinstance(req.constraint, PrefixConstraint) and req.constraint.finished:
+                req.constraint = None
+        req.append_token(res.token_id)
+        req.metrics.on_token(now)
+        self._metrics.generation_tokens += 1
+
+    def _finish_if_done(self, req: Request, now: float) -> None:
+        if req.finished:
+            req.metrics.finished_time = now
+            self.scheduler.finish(req)
+            self.requests.pop(req.request_id, None)
+            if self.spec is not None:
+                self.spec.forget(req.request_id)
+            self._metrics.num_requests_finished += 1
+
+    def _commit_chains(self, batch: ScheduledBatch, logits: StepLogits) -> list[RequestOutput]:
+        """Append each verified chain's committed tokens, roll its state and pages back to them
+        (before a finished request hands them to the prefix cache), then emit."""
+        assert self.spec is not None
+        now = time.monotonic()
+        chains = []
+        for b, chain_logits in logits.chains.items():
+            req, draft = batch.requests[b], batch.drafts[b]
+            accepted = appended = 0
+            for j, res in enumerate(self.spec.accept(req, draft, chain_logits)):
+                self._append(req, res, now)
+                appended += 1
+                accepted += int(j < len(draft.tokens) and res.token_id == draft.tokens[j])
+                if req.finished:
+                    break
+            chains.append((req, batch.cached_lens[b], len(draft.tokens), accepted, appended))
+        self.spec.commit(logits.verify, chains)
+        outputs = []
+        for req, *_ in chains:
+            self._finish_if_done(req, now)
             outputs.append(req.to_output())
         return outputs
 

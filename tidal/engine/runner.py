@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -23,6 +24,10 @@ class StepLogits:
     sample_logits: torch.Tensor | None = None  # [len(sample_seqs), V]
     # batch position -> (prompt positions t, logits [len(t), V] scoring prompt token t+1)
     prompt: dict[int, tuple[list[int], torch.Tensor]] = field(default_factory=dict)
+    # Speculation: batch position -> logits [chain length, V] of every chain position, and the
+    # chains' layout (tidal.spec.verify.VerifyLayout), which the commit needs.
+    chains: dict[int, torch.Tensor] = field(default_factory=dict)
+    verify: Any = None
 
 
 class ModelRunner:
@@ -57,20 +62,25 @@ class ModelRunner:
         query_lens = [batch.query_lens[b] for b in order]
         cached_lens = [batch.cached_lens[b] for b in order]
         ids: list[int] = []
-        for req, n, c in zip(reqs, query_lens, cached_lens):
-            ids.extend(req.token_ids[c : c + n])
+        for b, req, n, c in zip(order, reqs, query_lens, cached_lens):
+            draft = batch.drafts.get(b)
+            ids.extend(req.token_ids[c : c + n] if draft is None else [req.token_ids[c], *draft.tokens])
         owners = [r.request_id for r in reqs]
+        verify = None
+        if batch.drafts:
+            chains = [i for i, b in enumerate(order) if b in batch.drafts]
+            verify = batch.chain_memory.layout(chains, [owners[i] for i in chains])
         if self.graphs is not None and len(reqs) <= self.graphs.max_bs and all(n == 1 for n in query_lens):
             hidden = self.graphs.run(owners, ids, cached_lens)
             cu = list(range(len(reqs) + 1))
         else:
             cache = PoolCacheView(self.pool, owners, query_lens, cached_lens)
-            fb = ForwardBatch(query_lens=query_lens, cached_lens=cached_lens, cache=cache)
+            fb = ForwardBatch(query_lens=query_lens, cached_lens=cached_lens, cache=cache, verify=verify)
             images = self._image_embeds(reqs, query_lens, cached_lens, fb)
             hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), fb, images)
             cu = fb.cu_seqlens
 
-        out = StepLogits()
+        out = StepLogits(verify=verify)
         rows: list[int] = []
         prompt_rows: list[tuple[int, list[int], int]] = []  # (seq in batch, positions, start in rows)
         for i, (req, n, c) in enumerate(zip(reqs, query_lens, cached_lens)):
@@ -83,10 +93,19 @@ class ModelRunner:
             if c + n == req.num_tokens:
                 out.sample_seqs.append(order[i])
                 rows.append(cu[i + 1] - 1)
+        first_chain = len(rows)
+        chain_rows: list[tuple[int, int, int]] = []  # (seq in batch, start in rows, length)
+        for i, b in enumerate(order):
+            if b in batch.drafts:
+                chain_rows.append((b, len(rows), query_lens[i]))
+                rows.extend(range(cu[i], cu[i + 1]))
         if not rows:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        out.sample_logits = logits[first_sample:]
+        if first_chain > first_sample:
+            out.sample_logits = logits[first_sample:first_chain]
+        for b, start, m in chain_rows:
+            out.chains[b] = logits[start : start + m]
         for b, positions, start in prompt_rows:
             out.prompt[b] = (positions, logits[start : start + len(positions)])
         return out

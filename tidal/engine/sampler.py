@@ -170,8 +170,16 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleResult]:
         probs = x.softmax(dim=-1)
         q = _exponential_noise((len(random), V), sub, dev)
         tokens[random] = (probs / q).argmax(dim=-1)
-    token_list = tokens.tolist()
-    results = [SampleResult(token_id=t) for t in token_list]
+    results = [SampleResult(token_id=t) for t in tokens.tolist()]
+    add_logprobs(logits, tokens, rows, results)
+    return results
+
+
+def add_logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow],
+                 results: list[SampleResult]) -> None:
+    """Fill the logprob, rank and top alternatives of each chosen token (rows that ask for
+    logprobs), from the raw model distribution of ``logits`` [B, V]."""
+    V = logits.shape[1]
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if want:
         lp = logits[want].float().log_softmax(dim=-1)
@@ -186,7 +194,6 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleResult]:
             res = results[i]
             res.logprob, res.rank = chosen_lp_l[j], ranks_l[j]
             res.top = list(zip(top_ids_l[j][:n], top_lp_l[j][:n]))
-    return results
 
 
 def prompt_logprobs(

@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from tidal.cache.pool import MemoryPool
 from tidal.cache.prefix import PrefixCache, PrefixHit
@@ -49,6 +50,10 @@ class ScheduledBatch:
     cached_lens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     new_requests: list[Request] = field(default_factory=list)  # admitted for the first time
+    # Speculation (tidal.spec.decoder): batch position -> its drafted tokens (the query is the
+    # last committed token + these), and the memory of those chains.
+    drafts: dict[int, Any] = field(default_factory=dict)
+    chain_memory: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,7 @@ of those B sequences live. The model never knows whether that storage is a per-r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -71,6 +71,9 @@ class ForwardBatch:
     query_lens: list[int]
     cached_lens: list[int]
     cache: SequenceCache
+    # Speculative verify (tidal.spec.verify.VerifyLayout): sequences whose tokens are a drafted
+    # chain, run position by position with the decode kernels; neither decodes nor prefills.
+    verify: Any = None
     _cu: list[int] = field(default_factory=list, repr=False)
     _rows: dict[str, object] = field(default_factory=dict, repr=False)
 
@@ -83,8 +86,10 @@ class ForwardBatch:
         self._cu = cu
         # Every attention layer runs single-token sequences together and longer ones one by one;
         # the split is the same for all layers, so it is computed once per step.
-        self.decode_seqs = [b for b, n in enumerate(self.query_lens) if n == 1]
-        self.prefill_seqs = [b for b, n in enumerate(self.query_lens) if n > 1]
+        chains = set(self.verify.seqs) if self.verify is not None else set()
+        self.verify_seqs = sorted(chains)
+        self.decode_seqs = [b for b, n in enumerate(self.query_lens) if n == 1 and b not in chains]
+        self.prefill_seqs = [b for b, n in enumerate(self.query_lens) if n > 1 and b not in chains]
 
     def decode_tokens(self, device: torch.device) -> torch.Tensor:
         """Positions in the flat token run of the single-token sequences' tokens, built once per
@@ -159,7 +164,7 @@ class ForwardBatch:
     @property
     def is_decode(self) -> bool:
         """Every sequence brings exactly one token and has a history (pure decode step)."""
-        return all(n == 1 for n in self.query_lens)
+        return not self.verify_seqs and all(n == 1 for n in self.query_lens)
 
     def token_slice(self, seq: int) -> slice:
         return slice(self._cu[seq], self._cu[seq + 1])

@@ -19,6 +19,7 @@ from tidal.ops.kda import (
 )
 from tidal.ops.short_conv import causal_conv, causal_conv_step
 from tidal.ops.triton import use_triton
+from tidal.spec.verify import verify_conv, verify_delta
 
 # Prefill pieces up to this many tokens run the token-by-token kernel (cheaper than one chunk).
 RECURRENT_MAX_LEN = 12
@@ -114,6 +115,8 @@ class KimiDeltaAttention(nn.Module):
                 rows = state[run.slots]
                 out[run.tokens], new = causal_conv_step(qkv[run.tokens], weight, rows)
                 rows.copy_(new)
+        if batch.verify_seqs:
+            verify_conv(qkv, weight, state, batch, self.kda_index, out)
         for b in batch.prefill_seqs:
             sl, row = batch.token_slice(b), state[batch.cache.state_slots[b]]
             out[sl], new = causal_conv(qkv[sl], weight, row)
@@ -133,6 +136,8 @@ class KimiDeltaAttention(nn.Module):
         o = torch.empty(T, self.num_heads, state.shape[-1], dtype=state.dtype, device=state.device)
         for run in batch.decode_runs(state.device):
             o[run.tokens] = kda_decode_step_(*(t[run.tokens] for t in inputs), state[run.slots]).to(state.dtype)
+        if batch.verify_seqs:
+            verify_delta(inputs, state, batch, self.kda_index, o)
         slots = batch.cache.state_slots
         groups: dict[int, list[int]] = {}
         for b in batch.prefill_seqs:
@@ -154,6 +159,8 @@ class KimiDeltaAttention(nn.Module):
         recurrent call, every prefill sequence in one varlen chunked call."""
         dev = state.device
         o = torch.zeros(inputs[0].shape[0], self.num_heads, state.shape[-1], dtype=state.dtype, device=dev)
+        if batch.verify_seqs:
+            verify_delta(inputs, state, batch, self.kda_index, o)
         if batch.decode_seqs:
             rows = batch.decode_tokens(dev)
             o[rows] = backends.kda_decode_(*(t[rows] for t in inputs), state, batch.decode_slots(dev),

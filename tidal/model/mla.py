@@ -13,6 +13,7 @@ from tidal.ops.backends import mla_paged_decode, mla_prefill_attention
 from tidal.ops.mla import mla_absorbed_attention, mla_naive_attention
 from tidal.ops.mla_tiled import mla_tiled_attention
 from tidal.ops.triton import use_triton
+from tidal.spec.verify import verify_mla
 
 
 class KimiMLA(nn.Module):
@@ -100,6 +101,8 @@ class KimiMLA(nn.Module):
                 latents, lengths = batch.cache.mla_read_padded(self.mla_index, batch.decode_seqs)
                 o = mla_absorbed_attention(q_nope[rows, None], q_pe[rows, None], latents, lengths, w, self.scale)
                 out[rows] = o[:, 0]
+        if batch.verify_seqs:
+            verify_mla(q_nope, q_pe, batch, self.mla_index, w, self.scale, out)
         for b in batch.prefill_seqs:
             sl = batch.token_slice(b)
             if use_triton(q_nope):  # the GPU's key-tiled flash kernel (tidal.ops.backends)

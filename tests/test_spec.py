@@ -1,0 +1,268 @@
+"""Speculative decoding on a tiny random K3 model (float32): greedy output and logprobs with
+speculation equal those without, bit for bit, for both KDA rollback methods; drafts of the
+target's own continuation are all accepted, the same shifted by one rejected at once; pool
+accounting returns to its start after speculative runs with aborts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tidal import SamplingParams
+from tidal.engine.core import EngineConfig, EngineCore
+from tidal.engine.request import RequestOutput
+from tidal.model.init import init_weights
+from tidal.model.kimi import KimiForCausalLM
+from tidal.plan import pool_layout
+from tidal.presets import tiny_k3
+from tidal.spec.config import SpeculativeConfig
+from tidal.spec.drafter import Draft, NgramDrafter
+
+from test_engine import drive, one_thread, random_prompts  # noqa: F401 - one_thread: autouse
+
+PAGE = 4
+K = 4
+METHODS = [False, True]  # enable_linear_replayssm_spec: block swap, checkpoint + replay
+
+
+@pytest.fixture(scope="module")
+def model() -> KimiForCausalLM:
+    return init_weights(KimiForCausalLM(tiny_k3()), seed=0).eval()
+
+
+def make_engine(model, *, blocks: int = 64, budget: int = 2048, spec: SpeculativeConfig | None = None,
+                drafter=None, **kw) -> EngineCore:
+    bb = pool_layout(model.config, 1 << 30, page_size=PAGE, kv_dtype_bytes=4, conv_dtype_bytes=4).block_bytes
+    cfg = EngineConfig(max_num_batched_tokens=budget, page_size=PAGE, kv_cache_memory_bytes=blocks * bb,
+                       speculative=spec, **kw)
+    engine = EngineCore(model, cfg)
+    if drafter is not None:
+        engine.spec.drafter = drafter
+    return engine
+
+
+class ContinuationDrafter:
+    """Drafts from known full sequences (prompt + greedy output): the true next tokens, shifted by
+    ``shift`` positions, and (``rng``, ``right``) only a random or given number of them right, the
+    rest wrong."""
+
+    def __init__(self, truth: dict[str, list[int]], vocab: int, shift: int = 0, rng: random.Random | None = None,
+                 right: int | None = None):
+        self.truth, self.vocab, self.shift, self.rng, self.right = truth, vocab, shift, rng, right
+
+    def propose(self, rid: str, token_ids, k: int) -> Draft | None:
+        full, n = self.truth[rid], len(token_ids)
+        assert list(token_ids) == full[:n]
+        tokens = full[n + self.shift : n + self.shift + k]
+        if self.rng is not None or self.right is not None:
+            right = self.right if self.right is not None else self.rng.randint(0, len(tokens))
+            tokens = tokens[:right] + [(t + 1) % self.vocab for t in tokens[right:]]
+        return Draft(tokens) if tokens else None
+
+    def forget(self, rid: str) -> None:
+        pass
+
+
+def outputs(results: dict[str, RequestOutput]) -> dict[str, tuple]:
+    return {rid: (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+            for rid, o in results.items()}
+
+
+def logprobs(results: dict[str, RequestOutput]) -> dict[str, list[float]]:
+    return {rid: [e[t].logprob for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
+            for rid, o in results.items()}
+
+
+def assert_logprobs_close(got, want) -> None:
+    """float32 matmuls round differently for different row counts, so a chain's logits match a
+    decode's to rounding, not bit for bit (tokens do match exactly)."""
+    a, b = logprobs(got), logprobs(want)
+    assert a.keys() == b.keys()
+    for rid in a:
+        assert a[rid] == pytest.approx(b[rid], abs=1e-4), rid
+
+
+def jobs_for(prompts, seed: int = 0, logprobs: int | None = 1, stop_from: dict[int, int] | None = None):
+    rng = random.Random(seed)
+    jobs = []
+    for i, p in enumerate(prompts):
+        params = SamplingParams(temperature=0, max_tokens=rng.randint(2, 17), ignore_eos=True, logprobs=logprobs,
+                                stop_token_ids=[stop_from[i]] if stop_from and i in stop_from else None)
+        jobs.append((i // 4, str(i), p, params))
+    return jobs
+
+
+def truth_of(jobs, results) -> dict[str, list[int]]:
+    return {rid: list(p) + results[rid].outputs[0].token_ids for _, rid, p, _ in jobs}
+
+
+def test_greedy_equal_with_random_accept_lengths(model):
+    """Many requests in one batch, mixed with prefills, each chain accepting a random number of
+    drafts (every rollback position), some finishing inside a chain (max_tokens, a stop token):
+    tokens, finish reasons and logprobs equal plain decoding bit for bit."""
+    prompts = random_prompts(11, 14, 30)
+    base_jobs = jobs_for(prompts)
+    base = drive(make_engine(model), base_jobs)
+    # A stop token taken from the middle of some outputs ends those requests inside a chain.
+    stops = {i: base[str(i)].outputs[0].token_ids[len(base[str(i)].outputs[0].token_ids) // 2]
+             for i in range(0, 14, 3) if len(base[str(i)].outputs[0].token_ids) > 3}
+    jobs = jobs_for(prompts, stop_from=stops)
+    want = drive(make_engine(model), jobs)
+    assert any(o.outputs[0].finish_reason == "stop" for o in want.values())
+    truth = truth_of(base_jobs, base)
+    for budget in (2048, 9):  # whole prompts; chunked prefills that leave chains little room
+        for replay in METHODS:
+            drafter = ContinuationDrafter(truth, model.config.vocab_size, rng=random.Random(budget))
+            spec = SpeculativeConfig("NGRAM", K, enable_linear_replayssm_spec=replay)
+            engine = make_engine(model, budget=budget, spec=spec, drafter=drafter)
+            got = drive(engine, jobs)
+            assert outputs(got) == outputs(want), (budget, replay)
+            assert_logprobs_close(got, want)
+            m = engine.spec.metrics
+            assert m.num_chains > 3 and 0 < m.num_accepted_tokens < m.num_drafted_tokens
+
+
+def kda_states(engine: EngineCore, rid: str) -> list[torch.Tensor]:
+    block = engine.pool.state_block(rid)
+    out = []
+    for layer in range(engine.model_config.num_kda_layers):
+        conv, rec = engine.pool.state_storage(layer)
+        out += [conv[block].clone(), rec[block].clone()]
+    return out
+
+
+def test_rollback_methods_agree_bit_for_bit(model):
+    """One verify step accepting r = 0 .. k drafts: the state the replay folds into the checkpoint
+    is bitwise the one the block swap keeps, conv windows included, and both are the state plain
+    prefill reaches over the same tokens (to float32 rounding: other kernels)."""
+    prompt = random_prompts(15, 1, 25)[0] + [7, 8]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    truth = truth_of([(0, "r", prompt, params)], drive(make_engine(model), [(0, "r", prompt, params)]))
+    for right in range(K + 1):
+        states = []
+        for replay in METHODS:
+            drafter = ContinuationDrafter(truth, model.config.vocab_size, right=right)
+            e = make_engine(model, spec=SpeculativeConfig("NGRAM", K, enable_linear_replayssm_spec=replay),
+                            drafter=drafter, enable_prefix_caching=False)
+            e.add_request("r", prompt, params)
+            e.step()  # prefill
+            e.step()  # one chain
+            assert e.spec.metrics.accept_length_counts[right + 1] == 1
+            n = e.requests["r"].num_computed_tokens
+            assert n == len(prompt) + 1 + right
+            states.append(kda_states(e, "r"))
+        assert all(torch.equal(x, y) for x, y in zip(*states)), right
+        ref = make_engine(model, enable_prefix_caching=False)
+        ref.add_request("r", truth["r"][:n], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        ref.step()
+        for x, y in zip(states[0], kda_states(ref, "r")):
+            assert torch.allclose(x, y, atol=1e-5, rtol=1e-4), right
+
+
+@pytest.mark.parametrize("replay", METHODS)
+def test_own_continuation_fully_accepted_shifted_rejected(model, replay):
+    prompts = random_prompts(12, 6, 20)
+    jobs = [(0, str(i), p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)) for i, p in enumerate(prompts)]
+    base = drive(make_engine(model), jobs)
+    truth = truth_of(jobs, base)
+    spec = SpeculativeConfig("NGRAM", K, enable_linear_replayssm_spec=replay)
+    exact = make_engine(model, spec=spec, drafter=ContinuationDrafter(truth, model.config.vocab_size))
+    assert outputs(drive(exact, jobs)) == outputs(base)
+    m = exact.spec.metrics
+    # 16 tokens: the prefill's, then chains of k+1 = 5 committed tokens each (the last one short).
+    assert m.num_accepted_tokens == m.num_drafted_tokens > 0
+    assert m.accept_length_counts[K + 1] == 3 * len(prompts)
+    assert exact.metrics().num_steps == 4  # prefill + 3 chains cover 1 + 15 tokens
+    shifted = make_engine(model, spec=spec, drafter=ContinuationDrafter(truth, model.config.vocab_size, shift=1))
+    assert outputs(drive(shifted, jobs)) == outputs(base)
+    repeats = sum(1 for t in truth.values() for a, b in zip(t[-16:], t[-15:]) if a == b)
+    assert shifted.spec.metrics.position_accepted[0] <= repeats
+    assert shifted.spec.metrics.num_chains > 0 and shifted.spec.metrics.avg_accept_length < 1.2
+
+
+@pytest.mark.parametrize("replay", METHODS)
+def test_preemption_and_prefix_hits(model, replay):
+    """A pool that holds a few requests (preemption, recompute), and second turns whose prompts
+    hit the cache the first turns (generated with speculation) left: same outputs as without."""
+    prompts = random_prompts(13, 8, 12)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    first = [(0, str(i), p, params) for i, p in enumerate(prompts)]
+    # The next turn of each conversation: its prompt starts with the whole first turn.
+    turns = truth_of(first, drive(make_engine(model), first))
+    jobs = first + [(60, f"next{i}", turns[str(i)] + [5, 6], params) for i in range(len(prompts))]
+    spec = SpeculativeConfig("NGRAM", K, enable_linear_replayssm_spec=replay)
+    for blocks, run in ((10, first), (64, jobs)):
+        want = drive(make_engine(model, blocks=blocks), run)
+        engine = make_engine(model, blocks=blocks, spec=spec, drafter=ContinuationDrafter(
+            truth_of(run, want), model.config.vocab_size, rng=random.Random(3)))
+        assert outputs(drive(engine, run)) == outputs(want), blocks
+        m = engine.metrics()
+        assert engine.spec.metrics.num_accepted_tokens > 0
+        assert (m.num_preemptions > 0) if blocks == 10 else (m.prefix_cache_hits > 0)
+
+
+@pytest.mark.parametrize("replay", METHODS)
+def test_pool_back_to_start_after_spec_runs_with_aborts(model, replay):
+    engine = make_engine(model, blocks=8, budget=16, spec=SpeculativeConfig("NGRAM", K, enable_linear_replayssm_spec=replay))
+    start = engine.pool.usage()
+    for i, p in enumerate(random_prompts(14, 12, 20)):
+        # Prompts that repeat themselves: the n-gram drafter has guesses.
+        engine.add_request(str(i), p * 3, SamplingParams(temperature=0, max_tokens=10 + i % 4 * 5, ignore_eos=True))
+    aborted = 0
+    for step in range(400):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+        assert engine.pool.usage().state_blocks == len(engine.scheduler.running) + (
+            engine.prefix_cache.num_snapshots if engine.prefix_cache else 0)  # no chain block outlives its step
+        if step in (2, 6, 11) and engine.scheduler.running:
+            engine.abort_request(engine.scheduler.running[-1].request_id)
+            aborted += 1
+    assert not engine.has_unfinished_requests() and aborted == 3
+    assert engine.spec.metrics.num_chains > 0
+    assert engine.flush_prefix_cache()
+    assert engine.pool.usage() == start
+
+
+def test_ngram_drafter_finds_latest_match_and_repeats_period():
+    d = NgramDrafter(max_match=3, min_match=1)
+    assert d.propose("r", [5, 6, 7, 8, 1, 5, 6, 7], 3).tokens == [8, 1, 5]
+    assert d.propose("r", [5, 6, 7, 8, 1, 5, 6, 7, 9], 2) is None  # 9 never seen before
+    assert d.propose("s", [1, 2, 1, 2], 5).tokens == [1, 2, 1, 2, 1]  # runs into its suffix: period 2
+    assert d.propose("t", [3], 4) is None
+
+
+def test_config_errors_name_the_problem():
+    with pytest.raises(ValueError, match="one of NGRAM"):
+        SpeculativeConfig("EAGLE")
+    with pytest.raises(ValueError, match="not implemented"):
+        SpeculativeConfig("DSPARK")
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        SpeculativeConfig("NGRAM", 0)
+    with pytest.raises(ValueError, match="need speculative_algorithm"):
+        SpeculativeConfig.from_args(None, 4)
+
+
+def test_llm_kwargs_and_stop_strings_inside_a_chain():
+    """The embedded model through LLM(speculative_algorithm="NGRAM"): on a prompt that repeats
+    itself drafts are accepted, and a stop string that ends inside a chain cuts the text exactly
+    where plain decoding does."""
+    from tidal import LLM
+
+    prompt = "def add(a, b):\n    return a + b\n\n" * 3 + "def add(a, b):\n"
+    plain = LLM(enable_prefix_caching=False)
+    spec = LLM(enable_prefix_caching=False, speculative_algorithm="NGRAM", speculative_num_draft_tokens=K)
+    assert spec.engine.spec is not None and spec.engine.spec.config.num_draft_tokens == K
+    base = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    text = plain.generate(prompt, base)[0].outputs[0].text
+    assert spec.generate(prompt, base)[0].outputs[0].text == text
+    assert spec.engine.spec.metrics.num_accepted_tokens > 0
+    stop = next((text[i:i + 3] for i in range(6, len(text) - 3) if text.find(text[i:i + 3]) == i), None)
+    assert stop is not None
+    cut = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    want, got = plain.generate(prompt, cut)[0].outputs[0], spec.generate(prompt, cut)[0].outputs[0]
+    assert (got.text, got.finish_reason, got.stop_reason) == (want.text, "stop", stop)
+    with pytest.raises(ValueError, match="need speculative_algorithm"):
+        LLM(speculative_num_draft_tokens=3)

@@ -1,0 +1,69 @@
+"""Speculative decoding settings, in SGLang's vocabulary (``--speculative-*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALGORITHMS = ("NGRAM", "STANDALONE", "DSPARK")
+# Algorithms this build can run (the others are named so that asking for them gets a clear error).
+IMPLEMENTED = ("NGRAM",)
+# Below this many sequences in a step a verified chain costs about one decode step on a
+# memory-bound device; above it the step is compute-bound and speculation backs off.
+DEFAULT_MAX_SPEC_BATCH = 16
+
+
+@dataclass
+class SpeculativeConfig:
+    """``num_draft_tokens`` tokens are drafted per request and step; the verified chain is one
+    longer (the last committed token + the drafts). Rollback of the KDA state: by default every
+    chain position writes its own state block and the accepted one is kept (a block swap);
+    ``enable_linear_replayssm_spec`` keeps the committed state as the checkpoint and replays the
+    accepted tokens' stored inputs into it (SGLang's --enable-linear-replayssm-spec)."""
+
+    algorithm: str = "NGRAM"
+    num_draft_tokens: int = 4
+    draft_model_path: str | None = None
+    dspark_block_size: int | None = None
+    enable_linear_replayssm_spec: bool = False
+    # NGRAM: the longest and shortest suffix looked up in the request's own tokens.
+    ngram_max_match: int = 4
+    ngram_min_match: int = 1
+    # Speculate only in steps with at most this many sequences (0: never back off).
+    max_spec_batch: int = DEFAULT_MAX_SPEC_BATCH
+
+    def __post_init__(self) -> None:
+        algo = (self.algorithm or "").upper()
+        if algo not in ALGORITHMS:
+            raise ValueError(f"speculative_algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if algo not in IMPLEMENTED:
+            raise ValueError(f"speculative_algorithm {algo} is not implemented yet (implemented: "
+                             f"{', '.join(IMPLEMENTED)})")
+        self.algorithm = algo
+        if self.dspark_block_size is not None and algo == "DSPARK":
+            self.num_draft_tokens = self.dspark_block_size
+        if not 1 <= self.num_draft_tokens <= 64:
+            raise ValueError(f"speculative_num_draft_tokens must be in 1..64, got {self.num_draft_tokens}")
+        if not 1 <= self.ngram_min_match <= self.ngram_max_match:
+            raise ValueError(f"ngram match lengths need 1 <= min ({self.ngram_min_match}) <= max "
+                             f"({self.ngram_max_match})")
+        if self.max_spec_batch < 0:
+            raise ValueError(f"max_spec_batch must be >= 0, got {self.max_spec_batch}")
+
+    @property
+    def rollback(self) -> str:
+        """"replay" (checkpoint + replay) or "swap" (a state block per chain position)."""
+        return "replay" if self.enable_linear_replayssm_spec else "swap"
+
+    @classmethod
+    def from_args(cls, algorithm: str | None, num_draft_tokens: int | None = None,
+                  draft_model_path: str | None = None, dspark_block_size: int | None = None,
+                  enable_linear_replayssm_spec: bool = False) -> "SpeculativeConfig | None":
+        """The config the flags/kwargs ask for; None without an algorithm (the other flags then
+        must be unset)."""
+        if algorithm is None:
+            if num_draft_tokens is not None or draft_model_path or dspark_block_size or enable_linear_replayssm_spec:
+                raise ValueError("speculative_* options need speculative_algorithm (NGRAM, STANDALONE or DSPARK)")
+            return None
+        kw = {} if num_draft_tokens is None else {"num_draft_tokens": num_draft_tokens}
+        return cls(algorithm=algorithm, draft_model_path=draft_model_path, dspark_block_size=dspark_block_size,
+                   enable_linear_replayssm_spec=enable_linear_replayssm_spec, **kw)

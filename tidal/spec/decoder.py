@@ -1,0 +1,102 @@
+"""The speculation loop around an engine step: propose -> verify -> accept -> commit.
+
+1. After the scheduler built the step, :meth:`SpecDecoder.extend` turns plain decodes into
+   chains (the last committed token + up to k drafted tokens) where the drafter has a guess and
+   the chain's extra memory is available now (free or evictable cache memory); a step of more than ``max_spec_batch`` sequences stays
+   plain (it is compute-bound: a chain no longer costs about one decode).
+2. The runner runs chains with the decode numerics (:mod:`tidal.spec.verify`) beside the
+   step's decodes and prefills, and returns every chain position's logits.
+3. :meth:`SpecDecoder.accept` picks each chain's committed tokens (:mod:`tidal.spec.accept`);
+   the engine appends them one by one (stop tokens, stop strings and max_tokens end a request
+   inside a chain exactly where plain decode would).
+4. :meth:`SpecDecoder.commit` leaves each request with the state and pages of its committed
+   tokens (:mod:`tidal.spec.rollback`) before finished requests hand them to the prefix cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.cache.pool import MemoryPool
+from tidal.config import ModelConfig
+from tidal.engine.request import Request
+from tidal.engine.sampler import SampleResult, SampleRow
+from tidal.spec.accept import accept_chain, chain_rows
+from tidal.spec.config import SpeculativeConfig
+from tidal.spec.drafter import Draft, Drafter, NgramDrafter
+from tidal.spec.metrics import SpecMetrics
+from tidal.spec.rollback import ChainMemory
+from tidal.spec.verify import VerifyLayout
+
+
+def make_drafter(config: SpeculativeConfig) -> Drafter:
+    if config.algorithm == "NGRAM":
+        return NgramDrafter(config.ngram_max_match, config.ngram_min_match)
+    raise ValueError(f"speculative_algorithm {config.algorithm} is not implemented")
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, pool: MemoryPool, model_config: ModelConfig,
+                 drafter: Drafter | None = None) -> None:
+        self.config = config
+        self.pool = pool
+        self.vocab_size = model_config.vocab_size
+        self.drafter = drafter if drafter is not None else make_drafter(config)
+        self.memory = ChainMemory(pool, model_config, config.rollback)
+        self.metrics = SpecMetrics(config.num_draft_tokens)
+
+    def extend(self, batch, budget: int) -> None:
+        """Give decodes of the scheduled ``batch`` their drafts (``batch.drafts``), growing their
+        query to the chain, within ``budget`` extra tokens and the memory the pool has available."""
+        cfg = self.config
+        if cfg.max_spec_batch and len(batch.requests) > cfg.max_spec_batch:
+            return
+        for i, (req, n, c) in enumerate(zip(batch.requests, batch.query_lens, batch.cached_lens)):
+            if budget <= 0:
+                break
+            if n != 1 or c != req.num_tokens - 1 or req.constraint is not None:
+                continue
+            k = min(cfg.num_draft_tokens, req.max_tokens - req.num_output_tokens - 1, budget)
+            if k < 1:
+                continue
+            draft = self.drafter.propose(req.request_id, req.token_ids, k)
+            if draft is None or not draft.tokens:
+                continue
+            tokens = draft.tokens[:k]
+            if any(not 0 <= t < self.vocab_size for t in tokens):
+                raise ValueError(f"the drafter proposed a token outside the vocabulary: {tokens}")
+            if not self.memory.acquire(req.request_id, c, 1 + len(tokens)):
+                continue
+            probs = draft.probs[: len(tokens)] if draft.probs is not None else None
+            batch.drafts[i] = Draft(tokens, probs)
+            batch.query_lens[i] = 1 + len(tokens)
+            budget -= len(tokens)
+        if batch.drafts:
+            batch.chain_memory = self.memory
+
+    def accept(self, req: Request, draft: Draft, logits: torch.Tensor) -> list[SampleResult]:
+        """The committed tokens of ``req``'s chain (logits [m, V] of its positions)."""
+        p = req.params
+        eos = () if p.ignore_eos else tuple(req.eos_token_ids)
+        row = SampleRow(p, req.generator, (), req.token_ids, req.num_prompt_tokens, None)
+        rows = chain_rows(row, draft.tokens, eos + tuple(p.stop_token_ids or ()), req.num_output_tokens,
+                          p.min_tokens)
+        return accept_chain(logits, draft.tokens, draft.probs, rows)
+
+    def commit(self, layout: VerifyLayout, chains: list[tuple[Request, int, int, int, int]]) -> None:
+        """``chains``: (request, tokens it had computed before the step, drafts, drafts accepted,
+        tokens it appended). Each request keeps the state after its last computed position and
+        the pages of its tokens; the metrics count the chain."""
+        self.memory.commit(layout, {req.request_id: appended - 1 for req, _, _, _, appended in chains})
+        for req, cached, drafted, accepted, appended in chains:
+            req.num_computed_tokens = cached + appended
+            self.pool.truncate(req.request_id, req.num_computed_tokens + 1)
+            self.metrics.record(drafted, accepted, appended)
+
+    def forget(self, request_id: str) -> None:
+        self.memory.release(request_id)
+        self.drafter.forget(request_id)
+
+    def release_all(self) -> None:
+        """After a failed step: free every chain's extra memory."""
+        self.memory.release_all()

@@ -1,0 +1,132 @@
+"""Verify numerics: a request's drafted chain runs through the target with the DECODE kernels.
+
+A chain of m tokens (the last committed token, then the drafts) is m decode steps folded into one
+forward: every layer takes chain position j of all chains as one batch of single-token decodes,
+j = 0 .. m-1. The KDA conv window and recurrent state of position j are the decode kernel's
+output from position j-1; the MLA query of position j attends, weight-absorbed, over the pages up
+to and including position j. Each position's logits are therefore the ones plain decode would
+produce after accepting the chain up to there, bit for bit (the decode kernels are row-wise).
+
+Where the states go depends on the rollback method (``tidal.spec.rollback``):
+
+- "swap": position j reads the state block of position j-1 and writes its own (position 0 updates
+  the request's block in place); the commit keeps the accepted position's block.
+- "replay": the request's block is the checkpoint and is left alone; positions step a transient
+  copy, and each position's kernel inputs are stored in the request's replay window, from which
+  the commit replays the accepted positions into the checkpoint with the same kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tidal.ops.kda import kda_decode_step_
+from tidal.ops.mla import mla_paged_decode
+from tidal.ops.short_conv import causal_conv_step
+
+
+@dataclass
+class VerifyLayout:
+    """The chains of one step. ``seqs``: their batch positions (query_lens[b] = chain length);
+    ``slots[b]``: the state slot of each chain position ("swap"); ``window``: the replay window
+    ("replay")."""
+
+    seqs: list[int]
+    method: str
+    rids: dict[int, str] = field(default_factory=dict)  # batch position -> request id
+    slots: dict[int, list[int]] = field(default_factory=dict)
+    window: "ReplayWindow | None" = None
+    _work: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def positions(self, batch, j: int) -> tuple[list[int], list[int]]:
+        """(chains that have a position j, indexes of those in ``seqs``)."""
+        live = [(b, i) for i, b in enumerate(self.seqs) if batch.query_lens[b] > j]
+        return [b for b, _ in live], [i for _, i in live]
+
+
+def _rows(batch, seqs: list[int], j: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([batch.cu_seqlens[b] + j for b in seqs], dtype=torch.long, device=device)
+
+
+def _step(batch, storage: torch.Tensor, kind: str, layer: int, j: int, seqs: list[int], idx: list[int],
+          kernel) -> torch.Tensor:
+    """Run ``kernel(state) -> output`` (updating ``state`` in place) on chain position j of
+    ``seqs``, reading and writing the states where the layout's method keeps them."""
+    v: VerifyLayout = batch.verify
+    dev = storage.device
+    if v.method == "swap":
+        src = torch.tensor([v.slots[b][max(j - 1, 0)] for b in seqs], dtype=torch.long, device=dev)
+        dst = torch.tensor([v.slots[b][j] for b in seqs], dtype=torch.long, device=dev)
+        state = storage[src]
+        out = kernel(state)
+        storage[dst] = state
+        return out
+    key = (kind, layer)
+    if j == 0:  # a transient copy of every chain's checkpoint
+        start = torch.tensor([batch.cache.state_slots[b] for b in v.seqs], dtype=torch.long, device=dev)
+        v._work[key] = storage[start]
+    work = v._work[key]
+    sel = torch.tensor(idx, dtype=torch.long, device=dev)
+    state = work[sel]
+    out = kernel(state)
+    work[sel] = state
+    return out
+
+
+def verify_conv(qkv: torch.Tensor, weight: torch.Tensor, storage: torch.Tensor, batch, layer: int,
+                out: torch.Tensor) -> None:
+    """The chains' short conv + SiLU, position by position (``causal_conv_step``); writes their
+    rows of ``out``."""
+    v: VerifyLayout = batch.verify
+    for j in range(max(batch.query_lens[b] for b in v.seqs)):
+        seqs, idx = v.positions(batch, j)
+        rows = _rows(batch, seqs, j, qkv.device)
+        x = qkv[rows]
+
+        def conv(state: torch.Tensor) -> torch.Tensor:
+            y, new = causal_conv_step(x, weight, state)
+            state.copy_(new)
+            return y
+
+        out[rows] = _step(batch, storage, "conv", layer, j, seqs, idx, conv)
+        if v.window is not None:
+            v.window.store(layer, seqs, j, {"qkv": x})
+
+
+def verify_delta(inputs: tuple[torch.Tensor, ...], storage: torch.Tensor, batch, layer: int,
+                 o: torch.Tensor) -> None:
+    """The chains' KDA recurrence, position by position (``kda_decode_step_``); writes their rows
+    of ``o``."""
+    v: VerifyLayout = batch.verify
+    for j in range(max(batch.query_lens[b] for b in v.seqs)):
+        seqs, idx = v.positions(batch, j)
+        rows = _rows(batch, seqs, j, storage.device)
+        q, k, vv, g, beta = (t[rows] for t in inputs)
+        o[rows] = _step(batch, storage, "rec", layer, j, seqs, idx,
+                        lambda state: kda_decode_step_(q, k, vv, g, beta, state)).to(o.dtype)
+        if v.window is not None:
+            v.window.store(layer, seqs, j, {"q": q, "k": k, "v": vv, "g": g, "beta": beta})
+
+
+def verify_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, batch, mla_layer: int, kv_b_weight: torch.Tensor,
+               scale: float, out: torch.Tensor) -> None:
+    """Every chain position as one decode query over the pages (its latents are written already),
+    attending up to and including itself; writes the chains' rows of ``out``."""
+    v: VerifyLayout = batch.verify
+    paged = getattr(batch.cache, "mla_pages", None)
+    if paged is None:
+        raise ValueError("speculative verify needs the engine's paged cache")
+    pages, table, _ = paged(mla_layer, v.seqs)
+    rows, which, lengths = [], [], []
+    for i, b in enumerate(v.seqs):
+        for j in range(batch.query_lens[b]):
+            rows.append(batch.cu_seqlens[b] + j)
+            which.append(i)
+            lengths.append(batch.cached_lens[b] + j + 1)
+    dev = q_nope.device
+    r = torch.tensor(rows, dtype=torch.long, device=dev)
+    tab = table[torch.tensor(which, dtype=torch.long, device=table.device)]
+    lens = torch.tensor(lengths, dtype=torch.long, device=table.device)
+    out[r] = mla_paged_decode(q_nope[r], q_pe[r], pages, tab, lens, kv_b_weight, scale)
