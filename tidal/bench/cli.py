@@ -263,6 +263,20 @@ async def run_row(client: OpenAIClient, work: Workload, salt: int, conc: int | N
                                on_done=lambda _r: progress.advance(task))
 
 
+def spec_counts(server: Server) -> tuple[int, int] | None:
+    """(verified chains, tokens they committed) from the server's /server_info (tidal's engine
+    counters); None when the server does not report speculation."""
+    try:
+        r = httpx.get(f"{server.root}/server_info", headers=server.headers, timeout=10)
+        engine = (r.json().get("engine") or {}) if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return None
+    counts = engine.get("spec_accept_length_counts")
+    if not counts:
+        return None
+    return int(engine.get("spec_num_chains", 0)), sum(n * c for n, c in enumerate(counts))
+
+
 async def run_sweep(args: argparse.Namespace, server: Server, tok: BenchTokenizer | None, endpoint: str, fmt: str,
                     loads: list[tuple[int | None, float | None]], console: Console) -> list[dict]:
     work = Workload(args, tok, fmt, server)
@@ -284,10 +298,15 @@ async def run_sweep(args: argparse.Namespace, server: Server, tok: BenchTokenize
                 if args.flush_cache:
                     flush_cache(server, console)
                 label = f"concurrency {conc if conc else 'inf'}" + (f", rate {rate:g}" if rate is not None else "")
+                before = spec_counts(server)
                 run = await run_row(client, work, i + 1, conc, rate, progress, label)
                 row = row_config(args, server, tok, endpoint, fmt, conc, rate)
                 row.update(summarize(run.records, run.duration, cut=run.cut, row_start=run.start, counter=counter,
                                      details=args.output_details))
+                after = spec_counts(server)
+                if before is not None and after is not None and after[0] > before[0]:
+                    # SGLang's avg_spec_accept_length over this row's chains
+                    row["spec_accept_length"] = (after[1] - before[1]) / (after[0] - before[0])
                 rows.append(row)
     return rows
 

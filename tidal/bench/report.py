@@ -46,6 +46,8 @@ def columns(rows: Sequence[dict]) -> list[tuple[str, Callable[[dict], str]]]:
         for q in ("median", "p90", "p99"):
             label = f"{stat.upper()} {'med' if q == 'median' else q} (ms)"
             cols.append((label, lambda r, k=f"{q}_{stat}_ms": _num(".1f")(r.get(k))))
+    if any(r.get("spec_accept_length") is not None for r in rows):
+        cols.append(("accept len", lambda r: _num(".2f")(r.get("spec_accept_length"))))
     if any(r.get("cache_hit_rate") is not None for r in rows):
         cols.append(("cache hit", lambda r: "-" if r.get("cache_hit_rate") is None else f"{r['cache_hit_rate']:.0%}"))
     return cols

@@ -132,8 +132,13 @@ class EngineCore:
             if self.encoder_cache is not None:
                 pool_bytes -= config.encoder_cache_bytes
         # The planner's functions size the pool: what `tidal plan` prints is what the engine does.
+        spec = config.speculative
+        # With the block swap a verifying request holds 1 + k state blocks (and k tokens of KV) for the
+        # step: the plan's capacities count them (tidal.plan.layout.PoolLayout.state_blocks_per_request).
+        spec_tokens = spec.num_draft_tokens if spec is not None and spec.rollback == "swap" else 0
         self.plan: Plan = plan_for_pool(
-            self.model_config, pool_bytes, model_bytes(model), page_size=config.page_size, dtype=self.dtype
+            self.model_config, pool_bytes, model_bytes(model), page_size=config.page_size, dtype=self.dtype,
+            spec_draft_tokens=spec_tokens,
         )
         self.layout: PoolLayout = self.plan.layout
         self.pool = MemoryPool(self.model_config, self.layout, self.dtype, self.device)
@@ -206,6 +211,13 @@ class EngineCore:
                         "and request ends (one block each, evicted LRU)", self.prefix_cache.snapshot_interval, how)
         else:
             logger.debug("prefix cache: off")
+        if self.spec is not None:
+            cfg = self.spec.config
+            blocks = self.spec.memory.extra_blocks(cfg.num_draft_tokens + 1)
+            logger.debug("speculative decoding: %s, %d draft tokens, rollback %s: a chain holds %d extra state-sized "
+                         "block(s) (%.1f KiB) and %d KV tokens for its step; steps of more than %s sequences do not "
+                         "speculate", cfg.algorithm, cfg.num_draft_tokens, cfg.rollback, blocks,
+                         blocks * lay.block_bytes / 1024, cfg.num_draft_tokens, cfg.max_spec_batch or "any")
         logger.debug("plan:\n%s", plan_table(self.plan))
 
     @property
@@ -538,5 +550,11 @@ class EngineCore:
             m.prefix_cache_snapshots = self.prefix_cache.num_snapshots
             m.prefix_cache_pages = self.pool.cache_only_pages
             m.prefix_cache_evicted_snapshots = self.prefix_cache.num_evicted_snapshots
+        if self.spec is not None:
+            sm = self.spec.metrics
+            m.spec_num_chains, m.spec_num_draft_tokens = sm.num_chains, sm.num_drafted_tokens
+            m.spec_num_accepted_tokens = sm.num_accepted_tokens
+            m.spec_accept_length_counts = list(sm.accept_length_counts)
+            m.spec_position_drafted, m.spec_position_accepted = list(sm.position_drafted), list(sm.position_accepted)
         return m
 

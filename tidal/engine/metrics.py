@@ -71,6 +71,21 @@ class EngineMetrics:
     prefix_cache_snapshots: int = 0  # KDA state snapshots held now (one pool block each)
     prefix_cache_pages: int = 0  # KV pages only the cache holds now (evictable)
     prefix_cache_evicted_snapshots: int = 0
+    # Speculative decoding (all 0 / empty when off; tidal.spec.metrics.SpecMetrics). A chain's
+    # accept length counts its committed tokens: accepted drafts + the token the target adds.
+    spec_num_chains: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accept_length_counts: list[int] = field(default_factory=list)  # [n]: chains committing n
+    spec_position_drafted: list[int] = field(default_factory=list)  # [i]: chains that drafted token i+1
+    spec_position_accepted: list[int] = field(default_factory=list)  # [i]: ... and accepted it
+
+    @property
+    def avg_spec_accept_length(self) -> float | None:
+        """Committed tokens per verified chain (SGLang's avg_spec_accept_length); None before any."""
+        if not self.spec_num_chains:
+            return None
+        return sum(n * c for n, c in enumerate(self.spec_accept_length_counts)) / self.spec_num_chains
 
     @property
     def prefix_cache_hit_rate(self) -> float:

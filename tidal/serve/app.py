@@ -375,14 +375,15 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
     @app.get("/server_info")
     async def server_info() -> dict:
         e = st.engine
+        engine_metrics = st.client.stats().metrics
         return {
             "version": tidal.__version__, "model_path": config.model_path,
             "served_model_name": st.model_name, "max_model_len": st.max_model_len,
             "context_length": e.max_model_len, "max_num_batched_tokens": e.config.max_num_batched_tokens,
             "page_size": e.layout.page_size, "dtype": str(e.dtype).removeprefix("torch."), "device": str(e.device),
             "chat_format": st.chat.name if st.chat else None, "pool": dataclasses.asdict(e.layout),
-            "engine": dataclasses.asdict(st.client.stats().metrics),
-            "internal_states": [{"avg_spec_accept_length": None}], **config.info,
+            "engine": dataclasses.asdict(engine_metrics),
+            "internal_states": [{"avg_spec_accept_length": engine_metrics.avg_spec_accept_length}], **config.info,
         }
 
     @app.post("/flush_cache")

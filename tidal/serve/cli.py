@@ -84,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-image-url-fetch", action="store_true",
                    help="fetch http(s) image URLs (off: only data: URLs and base64 images are taken)")
     p.add_argument("--image-fetch-timeout", type=float, default=5.0, help="seconds an image URL fetch may take")
+    p.add_argument("--speculative-algorithm", default=None, type=str.upper, choices=["NGRAM", "STANDALONE", "DSPARK"],
+                   help="speculative decoding (NGRAM: prompt lookup; STANDALONE and DSPARK are not implemented yet)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="tokens drafted per request and step (the verified chain is one longer; default 4)")
+    p.add_argument("--speculative-draft-model-path", default=None, help="the draft model (STANDALONE, DSPARK)")
+    p.add_argument("--speculative-dspark-block-size", type=int, default=None, help="DSPARK's block size")
+    p.add_argument("--enable-linear-replayssm-spec", action="store_true",
+                   help="roll the KDA state back by an fp32 checkpoint + replay of the accepted tokens instead of "
+                        "a state block per drafted position")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="debug adds the memory planner's tables (also: tidal plan)")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
@@ -186,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
                   prefix_snapshot_interval=args.prefix_snapshot_interval,
                   max_running_requests=args.max_running_requests, max_queued_requests=args.max_queued_requests,
                   mem_fraction_static=args.mem_fraction_static, disable_cuda_graph=args.disable_cuda_graph,
-                  cuda_graph_max_bs=args.cuda_graph_max_bs)
+                  cuda_graph_max_bs=args.cuda_graph_max_bs, speculative_algorithm=args.speculative_algorithm,
+                  speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+                  speculative_draft_model_path=args.speculative_draft_model_path,
+                  speculative_dspark_block_size=args.speculative_dspark_block_size,
+                  enable_linear_replayssm_spec=args.enable_linear_replayssm_spec)
     except (ValueError, OSError, ConfigError) as e:
         print(f"tidal serve: {e}", file=sys.stderr)
         return 2

@@ -31,7 +31,8 @@ VLLM_ALIASES = frozenset({
     "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "request_success",
     "time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
     "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
-    "request_generation_tokens",
+    "request_generation_tokens", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
 })
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -69,6 +70,9 @@ COUNTERS: list[tuple[str, str, Callable[[EngineStats], float]]] = [
     ("num_requests_rejected", "Requests rejected when added (too long, invalid).",
      lambda s: s.metrics.num_requests_rejected),
     ("engine_steps", "Engine steps run.", lambda s: s.metrics.num_steps),
+    ("spec_decode_num_drafts", "Speculative chains verified.", lambda s: s.metrics.spec_num_chains),
+    ("spec_decode_num_draft_tokens", "Drafted tokens verified.", lambda s: s.metrics.spec_num_draft_tokens),
+    ("spec_decode_num_accepted_tokens", "Drafted tokens accepted.", lambda s: s.metrics.spec_num_accepted_tokens),
 ]
 
 
@@ -86,6 +90,26 @@ class _EngineCollector(Collector):
                 metric = family(PREFIX + name, doc, labels=["model_name"])
                 metric.add_metric([self.model_name], value(stats))
                 yield metric
+        m = stats.metrics
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafted tokens accepted, by position in the chain (0: the first draft).",
+                                      labels=["model_name", "position"])
+        for i, n in enumerate(m.spec_position_accepted):
+            per_pos.add_metric([self.model_name, str(i)], n)
+        yield per_pos
+        drafted = CounterMetricFamily(PREFIX + "spec_decode_num_draft_tokens_per_pos",
+                                      "Drafted tokens verified, by position in the chain.",
+                                      labels=["model_name", "position"])
+        for i, n in enumerate(m.spec_position_drafted):
+            drafted.add_metric([self.model_name, str(i)], n)
+        yield drafted
+        lengths = CounterMetricFamily(PREFIX + "spec_decode_accept_length",
+                                      "Chains by committed tokens (accepted drafts + the target's token).",
+                                      labels=["model_name", "length"])
+        for n, c in enumerate(m.spec_accept_length_counts):
+            if n:
+                lengths.add_metric([self.model_name, str(n)], c)
+        yield lengths
 
 
 class _VllmAliases(Collector):
