@@ -309,3 +309,31 @@ def test_sampling_with_speculation_is_seeded_and_runs_chains(model):
         assert m.num_chains > 0 and m.num_drafted_tokens > m.num_accepted_tokens
     assert runs[0] == runs[1]
     assert all(len(toks) == 20 for toks, _, _ in runs[0].values())
+
+
+def test_metrics_report_chains_positions_and_accept_length(model):
+    """The engine's counters after a speculative run, as /metrics renders them (vLLM's
+    spec_decode_* names, per position and accept length) and as /server_info's
+    avg_spec_accept_length reads them."""
+    from tidal.serve.engine_client import EngineStats
+    from tidal.serve.metrics import ServerMetrics
+
+    prompts = random_prompts(17, 4, 12)
+    jobs = [(0, str(i), p, SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)) for i, p in enumerate(prompts)]
+    truth = truth_of(jobs, drive(make_engine(model), jobs))
+    engine = make_engine(model, spec=SpeculativeConfig("NGRAM", K),
+                         drafter=ContinuationDrafter(truth, model.config.vocab_size, rng=random.Random(1)))
+    drive(engine, jobs)
+    m = engine.metrics()
+    assert m.spec_num_chains == engine.spec.metrics.num_chains > 0
+    committed = sum(n * c for n, c in enumerate(m.spec_accept_length_counts))
+    # the output tokens after the prefill's come from chains, or from plain decodes where the
+    # request has one token left (nothing to draft)
+    assert 4 * 10 - 4 <= committed <= 4 * 10 and m.avg_spec_accept_length == committed / m.spec_num_chains
+    assert m.spec_num_accepted_tokens == sum(m.spec_position_accepted) == committed - m.spec_num_chains
+    stats = EngineStats(metrics=m, held_usage=0.0)
+    text = ServerMetrics("m", lambda: stats).render()[0].decode()
+    assert f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {float(m.spec_num_chains)}' in text
+    assert f'tidal:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} ' \
+           f'{float(m.spec_position_accepted[0])}' in text
+    assert 'tidal:spec_decode_accept_length_total{length="5",model_name="m"}' in text

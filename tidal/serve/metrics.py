@@ -91,25 +91,19 @@ class _EngineCollector(Collector):
                 metric.add_metric([self.model_name], value(stats))
                 yield metric
         m = stats.metrics
-        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                                      "Drafted tokens accepted, by position in the chain (0: the first draft).",
-                                      labels=["model_name", "position"])
-        for i, n in enumerate(m.spec_position_accepted):
-            per_pos.add_metric([self.model_name, str(i)], n)
-        yield per_pos
-        drafted = CounterMetricFamily(PREFIX + "spec_decode_num_draft_tokens_per_pos",
-                                      "Drafted tokens verified, by position in the chain.",
-                                      labels=["model_name", "position"])
-        for i, n in enumerate(m.spec_position_drafted):
-            drafted.add_metric([self.model_name, str(i)], n)
-        yield drafted
-        lengths = CounterMetricFamily(PREFIX + "spec_decode_accept_length",
-                                      "Chains by committed tokens (accepted drafts + the target's token).",
-                                      labels=["model_name", "length"])
-        for n, c in enumerate(m.spec_accept_length_counts):
-            if n:
-                lengths.add_metric([self.model_name, str(n)], c)
-        yield lengths
+        labelled = [  # (name, help, label, {label value: count})
+            ("spec_decode_num_accepted_tokens_per_pos", "Drafted tokens accepted, by position in the chain "
+             "(0: the first draft).", "position", dict(enumerate(m.spec_position_accepted))),
+            ("spec_decode_num_draft_tokens_per_pos", "Drafted tokens verified, by position in the chain.",
+             "position", dict(enumerate(m.spec_position_drafted))),
+            ("spec_decode_accept_length", "Chains by committed tokens (accepted drafts + the target's token).",
+             "length", {n: c for n, c in enumerate(m.spec_accept_length_counts) if n}),
+        ]
+        for name, doc, label, values in labelled:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", label])
+            for key, count in values.items():
+                family.add_metric([self.model_name, str(key)], count)
+            yield family
 
 
 class _VllmAliases(Collector):
