@@ -238,7 +238,9 @@ def test_config_errors_name_the_problem():
     with pytest.raises(ValueError, match="one of NGRAM"):
         SpeculativeConfig("EAGLE")
     with pytest.raises(ValueError, match="not implemented"):
-        SpeculativeConfig("DSPARK")
+        SpeculativeConfig("DSPARK", draft_model_path="x")
+    with pytest.raises(ValueError, match="needs speculative_draft_model_path"):
+        SpeculativeConfig("STANDALONE")
     with pytest.raises(ValueError, match="num_draft_tokens"):
         SpeculativeConfig("NGRAM", 0)
     with pytest.raises(ValueError, match="need speculative_algorithm"):
@@ -337,3 +339,22 @@ def test_metrics_report_chains_positions_and_accept_length(model):
     assert f'tidal:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} ' \
            f'{float(m.spec_position_accepted[0])}' in text
     assert 'tidal:spec_decode_accept_length_total{length="5",model_name="m"}' in text
+
+
+def test_standalone_drafter_with_the_targets_weights(model):
+    """STANDALONE with the target's own weights as the draft model: its greedy drafts are the
+    target's continuation (up to float32 rounding of other kernels), so nearly all are accepted,
+    and the output equals plain decoding."""
+    from tidal.spec.standalone import StandaloneDrafter
+
+    draft = init_weights(KimiForCausalLM(tiny_k3()), seed=0).eval().process_weights_after_loading()
+    prompts = random_prompts(18, 5, 16)
+    jobs = [(0, str(i), p, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)) for i, p in enumerate(prompts)]
+    want = drive(make_engine(model), jobs)
+    engine = make_engine(model, spec=SpeculativeConfig("NGRAM", K),
+                         drafter=StandaloneDrafter(draft, model.config.vocab_size))
+    assert outputs(drive(engine, jobs)) == outputs(want)
+    m = engine.spec.metrics
+    assert m.num_chains > 0 and m.acceptance_rate > 0.9
+    with pytest.raises(ValueError, match="same tokenizer"):
+        StandaloneDrafter(draft, model.config.vocab_size + 1)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 ALGORITHMS = ("NGRAM", "STANDALONE", "DSPARK")
 # Algorithms this build can run (the others are named so that asking for them gets a clear error).
-IMPLEMENTED = ("NGRAM",)
+IMPLEMENTED = ("NGRAM", "STANDALONE")
 # Below this many sequences in a step a verified chain costs about one decode step on a
 # memory-bound device; above it the step is compute-bound and speculation backs off.
 DEFAULT_MAX_SPEC_BATCH = 16
@@ -39,6 +39,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_algorithm {algo} is not implemented yet (implemented: "
                              f"{', '.join(IMPLEMENTED)})")
         self.algorithm = algo
+        if algo in ("STANDALONE", "DSPARK") and not self.draft_model_path:
+            raise ValueError(f"speculative_algorithm {algo} needs speculative_draft_model_path")
         if self.dspark_block_size is not None and algo == "DSPARK":
             self.num_draft_tokens = self.dspark_block_size
         if not 1 <= self.num_draft_tokens <= 64:

@@ -29,9 +29,14 @@ from tidal.spec.rollback import ChainMemory
 from tidal.spec.verify import VerifyLayout
 
 
-def make_drafter(config: SpeculativeConfig) -> Drafter:
+def make_drafter(config: SpeculativeConfig, pool: MemoryPool, vocab_size: int) -> Drafter:
     if config.algorithm == "NGRAM":
         return NgramDrafter(config.ngram_max_match, config.ngram_min_match)
+    if config.algorithm == "STANDALONE":
+        from tidal.spec.standalone import StandaloneDrafter
+
+        assert config.draft_model_path is not None
+        return StandaloneDrafter.from_path(config.draft_model_path, vocab_size, pool.dtype, pool.device)
     raise ValueError(f"speculative_algorithm {config.algorithm} is not implemented")
 
 
@@ -41,7 +46,7 @@ class SpecDecoder:
         self.config = config
         self.pool = pool
         self.vocab_size = model_config.vocab_size
-        self.drafter = drafter if drafter is not None else make_drafter(config)
+        self.drafter = drafter if drafter is not None else make_drafter(config, pool, self.vocab_size)
         self.memory = ChainMemory(pool, model_config, config.rollback)
         self.metrics = SpecMetrics(config.num_draft_tokens)
 

@@ -39,39 +39,59 @@ class VerifyLayout:
     slots: dict[int, list[int]] = field(default_factory=dict)
     window: "ReplayWindow | None" = None
     _work: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    _index: dict[tuple[int, str], "PositionIndex"] = field(default_factory=dict, repr=False)
 
-    def positions(self, batch, j: int) -> tuple[list[int], list[int]]:
-        """(chains that have a position j, indexes of those in ``seqs``)."""
-        live = [(b, i) for i, b in enumerate(self.seqs) if batch.query_lens[b] > j]
-        return [b for b, _ in live], [i for _, i in live]
+    def positions(self, batch, j: int, device: torch.device) -> "PositionIndex":
+        """Chain position j's index tensors, built once per step (every layer reuses them)."""
+        key = (j, str(device))
+        if key not in self._index:
+            live = [(b, i) for i, b in enumerate(self.seqs) if batch.query_lens[b] > j]
+            seqs = [b for b, _ in live]
+
+            def index(values: list[int]) -> torch.Tensor:
+                return torch.tensor(values, dtype=torch.long, device=device)
+
+            self._index[key] = PositionIndex(
+                seqs=seqs,
+                rows=index([batch.cu_seqlens[b] + j for b in seqs]),
+                live=index([i for _, i in live]),
+                src=index([self.slots[b][max(j - 1, 0)] for b in seqs]) if self.method == "swap" else None,
+                dst=index([self.slots[b][j] for b in seqs]) if self.method == "swap" else None,
+                start=index([batch.cache.state_slots[b] for b in self.seqs]),
+            )
+        return self._index[key]
 
 
-def _rows(batch, seqs: list[int], j: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([batch.cu_seqlens[b] + j for b in seqs], dtype=torch.long, device=device)
+@dataclass
+class PositionIndex:
+    """Chain position j of one step: the chains that have it (batch positions), their rows in the
+    flat token run, their indexes among all chains, and the state slots read (src) and written
+    (dst) by the swap method; ``start``: every chain's own slot."""
+
+    seqs: list[int]
+    rows: torch.Tensor
+    live: torch.Tensor
+    src: torch.Tensor | None
+    dst: torch.Tensor | None
+    start: torch.Tensor
 
 
-def _step(batch, storage: torch.Tensor, kind: str, layer: int, j: int, seqs: list[int], idx: list[int],
-          kernel) -> torch.Tensor:
-    """Run ``kernel(state) -> output`` (updating ``state`` in place) on chain position j of
-    ``seqs``, reading and writing the states where the layout's method keeps them."""
+def _step(batch, storage: torch.Tensor, kind: str, layer: int, j: int, pos: PositionIndex, kernel) -> torch.Tensor:
+    """Run ``kernel(state) -> output`` (updating ``state`` in place) on chain position j, reading
+    and writing the states where the layout's method keeps them."""
     v: VerifyLayout = batch.verify
-    dev = storage.device
     if v.method == "swap":
-        src = torch.tensor([v.slots[b][max(j - 1, 0)] for b in seqs], dtype=torch.long, device=dev)
-        dst = torch.tensor([v.slots[b][j] for b in seqs], dtype=torch.long, device=dev)
-        state = storage[src]
+        state = storage[pos.src]
         out = kernel(state)
-        storage[dst] = state
+        storage[pos.dst] = state
         return out
     key = (kind, layer)
     if j == 0:  # a transient copy of every chain's checkpoint
-        start = torch.tensor([batch.cache.state_slots[b] for b in v.seqs], dtype=torch.long, device=dev)
-        v._work[key] = storage[start]
+        v._work[key] = storage[pos.start]
     work = v._work[key]
-    sel = torch.tensor(idx, dtype=torch.long, device=dev)
-    state = work[sel]
+    state = work[pos.live]
     out = kernel(state)
-    work[sel] = state
+    work[pos.live] = state
     return out
 
 
@@ -81,18 +101,17 @@ def verify_conv(qkv: torch.Tensor, weight: torch.Tensor, storage: torch.Tensor, 
     rows of ``out``."""
     v: VerifyLayout = batch.verify
     for j in range(max(batch.query_lens[b] for b in v.seqs)):
-        seqs, idx = v.positions(batch, j)
-        rows = _rows(batch, seqs, j, qkv.device)
-        x = qkv[rows]
+        pos = v.positions(batch, j, qkv.device)
+        x = qkv[pos.rows]
 
         def conv(state: torch.Tensor) -> torch.Tensor:
             y, new = causal_conv_step(x, weight, state)
             state.copy_(new)
             return y
 
-        out[rows] = _step(batch, storage, "conv", layer, j, seqs, idx, conv)
+        out[pos.rows] = _step(batch, storage, "conv", layer, j, pos, conv)
         if v.window is not None:
-            v.window.store(layer, seqs, j, {"qkv": x})
+            v.window.store(layer, pos.seqs, j, {"qkv": x})
 
 
 def verify_delta(inputs: tuple[torch.Tensor, ...], storage: torch.Tensor, batch, layer: int,
@@ -101,13 +120,12 @@ def verify_delta(inputs: tuple[torch.Tensor, ...], storage: torch.Tensor, batch,
     of ``o``."""
     v: VerifyLayout = batch.verify
     for j in range(max(batch.query_lens[b] for b in v.seqs)):
-        seqs, idx = v.positions(batch, j)
-        rows = _rows(batch, seqs, j, storage.device)
-        q, k, vv, g, beta = (t[rows] for t in inputs)
-        o[rows] = _step(batch, storage, "rec", layer, j, seqs, idx,
-                        lambda state: kda_decode_step_(q, k, vv, g, beta, state)).to(o.dtype)
+        pos = v.positions(batch, j, storage.device)
+        q, k, vv, g, beta = (t[pos.rows] for t in inputs)
+        o[pos.rows] = _step(batch, storage, "rec", layer, j, pos,
+                            lambda state: kda_decode_step_(q, k, vv, g, beta, state)).to(o.dtype)
         if v.window is not None:
-            v.window.store(layer, seqs, j, {"q": q, "k": k, "v": vv, "g": g, "beta": beta})
+            v.window.store(layer, pos.seqs, j, {"q": q, "k": k, "v": vv, "g": g, "beta": beta})
 
 
 def verify_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, batch, mla_layer: int, kv_b_weight: torch.Tensor,
