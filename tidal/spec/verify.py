@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.ops.kda import kda_decode_step_
-from tidal.ops.mla import mla_paged_decode
+from tidal.ops.backends import mla_paged_decode
 from tidal.ops.short_conv import causal_conv_step
 
 
