@@ -1,5 +1,6 @@
-"""The bf16 trunk's few-rows product (tidal.ops.dense, csrc/bf16_gemm.c) against float64 on fresh
-random inputs, its row independence, and where it applies."""
+"""The bf16 trunk's product (tidal.ops.dense, csrc/bf16_gemm.c) against float64 on fresh random
+inputs at one, few and many rows (every tile shape, K and N tails, several row blocks), its row
+independence, and where it applies."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def kernel():
     return k
 
 
-@pytest.mark.parametrize("n,N,K", [(1, 7, 32), (1, 65, 768), (3, 130, 100), (8, 33, 1), (5, 96, 64)])
+@pytest.mark.parametrize("n,N,K", [(1, 7, 32), (1, 65, 768), (2, 13, 9), (3, 130, 100), (8, 33, 1), (5, 96, 64),
+                                   (37, 101, 200), (150, 50, 2000)])
 def test_kernel_matches_float64(kernel, n, N, K):
     gen = torch.Generator().manual_seed(n * N + K)
     x = torch.randn(n, K, generator=gen).bfloat16()
@@ -33,14 +35,23 @@ def test_kernel_matches_float64(kernel, n, N, K):
 
 def test_row_alone_equals_row_in_a_batch_bitwise(kernel):
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(7, 200, generator=gen).bfloat16()
-    w = torch.randn(90, 400, generator=gen).bfloat16()[:, :200]  # a strided weight (rows contiguous)
+    x = torch.randn(70, 203, generator=gen).bfloat16()
+    w = torch.randn(90, 400, generator=gen).bfloat16()[:, :203]  # a strided weight (rows contiguous)
     batch = kernel(x, w)
     for t in range(7):
         assert torch.equal(kernel(x[t : t + 1], w)[0], batch[t])
+    # every tile height and row-block cut: the first rows of any batch size are the same bits
+    for n in (2, 3, 4, 5, 9, 33):
+        assert torch.equal(kernel(x[:n], w), batch[:n])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)  # the other thread count: the same bits
+    try:
+        assert torch.equal(kernel(x, w), batch)
+    finally:
+        torch.set_num_threads(threads)
 
 
-def test_only_few_bf16_rows_take_the_kernel(monkeypatch):
+def test_bf16_rows_take_the_kernel_at_every_count(monkeypatch):
     calls = []
     real = cpu_kernels.bf16_gemm_kernel()
     if real is None:
@@ -49,4 +60,4 @@ def test_only_few_bf16_rows_take_the_kernel(monkeypatch):
     w = torch.randn(16, 64).bfloat16()
     for x in (torch.randn(2, 64).bfloat16(), torch.randn(20, 64).bfloat16(), torch.randn(2, 64)):
         torch.testing.assert_close(dense.linear(x, w.to(x.dtype)), F.linear(x, w.to(x.dtype)), rtol=2e-2, atol=2e-2)
-    assert calls == [torch.Size([2, 64])]
+    assert calls == [torch.Size([2, 64]), torch.Size([20, 64])]

@@ -226,8 +226,8 @@ def mxfp4_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Te
 
 @cache
 def bf16_gemm_kernel() -> Callable[..., torch.Tensor] | None:
-    """The C few-rows float32 x bfloat16-weight product (see csrc/bf16_gemm.c), or None."""
-    fn = _function("bf16_gemm", "bf16_rows_gemm", [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int])
+    """The C float32-rows x bfloat16-weight product (see csrc/bf16_gemm.c), or None."""
+    fn = _function("bf16_gemm", "bf16_gemm", [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int])
     if fn is None:
         return None
 
