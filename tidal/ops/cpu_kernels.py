@@ -60,7 +60,8 @@ def _library(name: str) -> ctypes.CDLL | None:
 
 
 def _build(compiler: str, name: str, flags: list[str]) -> ctypes.CDLL | None:
-    source = (CSRC / f"{name}.c").read_bytes()
+    # the shared headers belong to every kernel's source (a changed tile rebuilds its users)
+    source = b"".join(p.read_bytes() for p in [CSRC / f"{name}.c", *sorted(CSRC.glob("*.h"))])
     # -march=native: the CPU's features belong in the key (a shared home directory, another CPU).
     key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_features()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"

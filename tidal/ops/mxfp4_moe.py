@@ -5,11 +5,9 @@ Rows come sorted by expert: group g is rows offsets[g] .. offsets[g+1]-1, multip
 experts[g]'s weight, given as packed [E, N, K/2] and scales [E, N, K/32] uint8 (``tidal.ops.mxfp``
 layout). Backends, all returning float32 [S, N]:
 
-- the C kernel (``csrc/mxfp4_gemm.c``) for decode-sized groups: decodes each weight block in
-  registers and streams the packed bytes once for the group's rows; each row bitwise independent of
-  the other rows;
-- bigger groups (prefill): each active expert decoded to float32 (by the C kernel, else torch) and
-  multiplied by BLAS, which beats a hand loop once a weight is reused over many rows;
+- the C kernel (``csrc/mxfp4_gemm.c``) at every group size: decodes panels of weight rows to float32
+  in L1 and runs the group's rows under them in register tiles; each row bitwise independent of the
+  other rows and of the group sizes;
 - :func:`grouped_matmul_torch`: the torch form (no compiler, ``TIDAL_CPU_KERNELS=0``, other devices),
   which dequantises only the active experts.
 """
@@ -21,9 +19,6 @@ import torch.nn.functional as F
 
 from tidal.ops.cpu_kernels import mxfp4_kernels
 from tidal.ops.mxfp import dequantize_mxfp4
-
-# Groups of up to this many rows run in the C kernel; a step whose groups are all this small is one call.
-FEW_ROWS = 16
 
 
 def _applies(x: torch.Tensor, packed: torch.Tensor) -> bool:
@@ -39,20 +34,7 @@ def grouped_matmul(
     kernels = mxfp4_kernels() if _applies(x, packed) else None
     if kernels is None:
         return grouped_matmul_torch(x, counts, expert_list, packed, scales)
-    gemm, dequantize = kernels
-    if max(counts) <= FEW_ROWS:
-        return gemm(x, offsets, experts, packed, scales)
-    x = x.to(torch.float32)
-    out = torch.empty(x.shape[0], packed.shape[1], dtype=torch.float32)
-    start = 0
-    for i, (e, n) in enumerate(zip(expert_list, counts)):
-        rows = slice(start, start + n)
-        if n <= FEW_ROWS:
-            out[rows] = gemm(x[rows], offsets.new_tensor([0, n]), experts[i : i + 1], packed, scales)
-        else:
-            out[rows] = F.linear(x[rows], dequantize(experts[i : i + 1], packed, scales)[0])
-        start += n
-    return out
+    return kernels[0](x, offsets, experts, packed, scales)
 
 
 def grouped_matmul_torch(

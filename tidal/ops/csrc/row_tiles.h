@@ -1,0 +1,106 @@
+/* Register tiles of float32 rows x weight rows, shared by the GEMM kernels (bf16_gemm.c,
+ * mxfp4_gemm.c). The including file defines TILE_W (the weight element type), TILE_VALUE(w) (one
+ * weight as float) and, on AVX2 builds (TILE_AVX2), TILE_LOAD8(p) (8 weights as a __m256).
+ *
+ * The summation order of every output (the row-invariance rule): one 8-lane accumulator over
+ * 8-value steps of k (fused multiply-add on AVX2), a fixed pairwise lane reduction, then the K % 8
+ * tail in scalar order. It is the same whatever the tile shape, the rows beside it or the thread
+ * count, so a row's result is bitwise independent of the batch. The portable build runs the same
+ * order in plain C (without fused multiply-add: equal within rounding, not bitwise).
+ *
+ * Tile shapes: 4 x 3 where there are 4 rows, else as many weight rows as the registers hold
+ * (1 x 8, 2 x 6, 3 x 4), so a decode step streams several weight rows at once.
+ */
+#include <stdint.h>
+
+#define MAX_R 4
+#define MAX_C 8
+static const int COLS_FOR_ROWS[MAX_R + 1] = {0, 8, 6, 4, 3};
+
+/* the tail k in [K8, K) of one output, in order */
+static inline float tile_tail(float s, const float *x, const TILE_W *w, int64_t K8, int64_t K) {
+    for (int64_t k = K8; k < K; k++) s += TILE_VALUE(w[k]) * x[k];
+    return s;
+}
+
+#ifdef TILE_AVX2
+static inline float lanes_sum(__m256 a) {
+    /* fixed pairwise order: (0+4, 1+5, 2+6, 3+7), then (0+2, 1+3), then 0+1 */
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+/* R rows of x (row stride K) times C weight rows (stride ws) -> out[r * N + c]; R and C are
+ * constants at each call, so the accumulators stay in registers. Which operand is loaded first only
+ * fits the registers (16 ymm); each accumulator's order is fixed. */
+static inline __attribute__((always_inline)) void tile(const int R, const int C, const float *x, int64_t K,
+                                                       const TILE_W *w, int64_t ws, float *out, int64_t N) {
+    const int64_t K8 = K / 8 * 8;
+    __m256 a[MAX_R][MAX_C];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) a[r][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K8; k += 8) {
+        if (R * C + R + 1 <= 16) {  /* the rows' x in registers, each weight vector used once */
+            __m256 xv[MAX_R];
+            for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + r * K + k);
+            for (int c = 0; c < C; c++) {
+                const __m256 wv = TILE_LOAD8(w + c * ws + k);
+                for (int r = 0; r < R; r++) a[r][c] = _mm256_fmadd_ps(wv, xv[r], a[r][c]);
+            }
+        } else {  /* the weight vectors in registers, each x vector used once */
+            __m256 wv[MAX_C];
+            for (int c = 0; c < C; c++) wv[c] = TILE_LOAD8(w + c * ws + k);
+            for (int r = 0; r < R; r++) {
+                const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+                for (int c = 0; c < C; c++) a[r][c] = _mm256_fmadd_ps(wv[c], xv, a[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) out[r * N + c] = tile_tail(lanes_sum(a[r][c]), x + r * K, w + c * ws, K8, K);
+}
+#else
+static inline void tile(const int R, const int C, const float *x, int64_t K, const TILE_W *w, int64_t ws,
+                        float *out, int64_t N) {
+    const int64_t K8 = K / 8 * 8;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            const float *xr = x + r * K;
+            const TILE_W *wr = w + c * ws;
+            float a[8] = {0};
+            for (int64_t k = 0; k < K8; k += 8)
+                for (int l = 0; l < 8; l++) a[l] += TILE_VALUE(wr[k + l]) * xr[k + l];
+            const float s0 = a[0] + a[4], s1 = a[1] + a[5], s2 = a[2] + a[6], s3 = a[3] + a[7];
+            out[r * N + c] = tile_tail((s0 + s2) + (s1 + s3), xr, wr, K8, K);
+        }
+}
+#endif
+
+/* the tile of R rows by C weight rows (C <= COLS_FOR_ROWS[R]), each shape its own specialised code */
+#define CASE(R, C) case (R) * 16 + (C): tile(R, C, x, K, w, ws, out, N); break;
+static void any_tile(int R, int C, const float *x, int64_t K, const TILE_W *w, int64_t ws, float *out, int64_t N) {
+    switch (R * 16 + C) {
+        CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(1, 5) CASE(1, 6) CASE(1, 7) CASE(1, 8)
+        CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4) CASE(2, 5) CASE(2, 6)
+        CASE(3, 1) CASE(3, 2) CASE(3, 3) CASE(3, 4)
+        CASE(4, 1) CASE(4, 2) CASE(4, 3)
+    }
+}
+#undef CASE
+
+/* rows [t0, t1) of x times weight rows [j0, j1) (w points at row j0) into out (row stride N, at
+ * column j0): weight-row panels of the tile width, all row tiles under each panel. */
+static void rows_times_panel(const float *x, int64_t K, int64_t t0, int64_t t1, const TILE_W *w, int64_t ws,
+                             int64_t j0, int64_t j1, float *out, int64_t N) {
+    const int64_t rows = t1 - t0;
+    const int cols = COLS_FOR_ROWS[rows < MAX_R ? rows : MAX_R];
+    for (int64_t j = j0; j < j1; j += cols) {
+        const int C = j1 - j < cols ? (int)(j1 - j) : cols;
+        for (int64_t t = t0; t < t1; t += MAX_R) {
+            const int R = t1 - t < MAX_R ? (int)(t1 - t) : MAX_R;
+            any_tile(R, C, x + t * K, K, w + (j - j0) * ws, ws, out + t * N + j, N);
+        }
+    }
+}
