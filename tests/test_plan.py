@@ -422,3 +422,17 @@ def test_cli_tp_defaults_to_num_gpus_and_advice_names_what_fits(capsys):
     err = capsys.readouterr().err
     assert "This fits: --num-gpus 16 --tp-size 16" in err and "mem-fraction-static" not in err.split("short by")[1]
     assert main(["--model", "kimi-k3", "--gpu-memory", "141", "--num-gpus", "16"]) == 0
+
+
+def test_engine_plan_names_its_device_and_keeps_measured_and_formula_totals_apart():
+    """A pool measured on a CPU says so (not "1 GPU(s)"); the measured total stands beside the
+    formula's, each with its own whole-model figure, so per rank never reads larger than the model."""
+    measured = 3 * sum(w.per_rank_bytes for w in plan_for_pool(KL, 2**30).weights)
+    p = plan_for_pool(KL, 2**30, measured, device="cpu")
+    text = plan_table(p)
+    assert "| cpu, TP 1" in text and "GPU(s)" not in text
+    gib = f"{measured / 2**30:,.2f} GiB"
+    row = next(line for line in text.splitlines() if "total (measured)" in line)
+    assert row.count(gib) == 2, row
+    assert "total (formula)" in text
+    assert "GPU(s)" in plan_table(plan_for_pool(KL, 2**30, measured, device="cuda:0"))

@@ -138,7 +138,7 @@ class EngineCore:
         spec_tokens = spec.num_draft_tokens if spec is not None and spec.rollback == "swap" else 0
         self.plan: Plan = plan_for_pool(
             self.model_config, pool_bytes, model_bytes(model), page_size=config.page_size, dtype=self.dtype,
-            spec_draft_tokens=spec_tokens,
+            spec_draft_tokens=spec_tokens, device=str(self.device),
         )
         self.layout: PoolLayout = self.plan.layout
         self.pool = MemoryPool(self.model_config, self.layout, self.dtype, self.device)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tidal.config import ModelConfig
@@ -61,6 +61,7 @@ class Plan:
     recommendation: Recommendation | None
     sglang_inputs: dict[str, Any] | None = None
     running_cap: int | None = None  # --max-running-requests: tidal's and SGLang's cap on the running set
+    device: str | None = None  # the device a measured pool lives on (None: tidal plan's GPU arithmetic)
 
     @property
     def kv_tokens_per_rank(self) -> int:
@@ -158,6 +159,7 @@ def plan_for_pool(
     ep_size: int = 1,
     model: str = "model",
     dtype: Any = None,
+    device: str | None = None,
     **kw: Any,
 ) -> Plan:
     """Plan for a pool measured on the device (engine start-up). weights_bytes: the measured weights
@@ -171,7 +173,8 @@ def plan_for_pool(
     weights = weight_breakdown(config, tp_size=tp_size, ep_size=ep_size)
     measured = weights_bytes is not None
     per_rank = weights_bytes if measured else sum(w.per_rank_bytes for w in weights)
-    return _assemble(config, par, weights, per_rank, measured, pool_bytes, None, None, 0, model, **kw)
+    p = _assemble(config, par, weights, per_rank, measured, pool_bytes, None, None, 0, model, **kw)
+    return replace(p, device=device)
 
 
 def _assemble(

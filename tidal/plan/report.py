@@ -101,8 +101,9 @@ def plan_table(p: Plan, width: int = 100) -> str:
 
     console = Console(file=io.StringIO(), width=width, force_terminal=False, color_system=None)
     par = p.parallel
+    where = f"{par.num_gpus} GPU(s)" if p.device is None or p.device.startswith("cuda") else p.device
     head = (
-        f"tidal plan: {p.model} | {par.num_gpus} GPU(s), TP {par.tp_size}, DCP {par.dcp_size}, EP {par.ep_size} | "
+        f"tidal plan: {p.model} | {where}, TP {par.tp_size}, DCP {par.dcp_size}, EP {par.ep_size} | "
         f"KV {p.kv_dtype}, page {p.page_size}" + (f", {p.spec_draft_tokens} draft tokens" if p.spec_draft_tokens else "")
     )
     console.print(head)
@@ -112,8 +113,16 @@ def plan_table(p: Plan, width: int = 100) -> str:
         w.add_column(col, justify="left" if col in ("kind", "sharding") else "right")
     for s in p.weights:
         w.add_row(s.kind, s.sharding, _gib(s.per_rank_bytes), _gib(s.total_bytes))
-    w.add_row("total", "measured" if p.weights_measured else "formula", _gib(p.weights_bytes_per_rank),
-              _gib(sum(s.total_bytes for s in p.weights)))
+    formula_rank, formula_model = sum(s.per_rank_bytes for s in p.weights), sum(s.total_bytes for s in p.weights)
+    if p.weights_measured:
+        # the rows above are the formula's (checkpoint dtype); the loaded weights are measured per rank,
+        # and on one rank that is the whole model
+        one_rank = par.tp_size == 1 and par.ep_size == 1
+        w.add_row("total (formula)", "checkpoint dtype", _gib(formula_rank), _gib(formula_model))
+        w.add_row("total (measured)", "as loaded", _gib(p.weights_bytes_per_rank),
+                  _gib(p.weights_bytes_per_rank) if one_rank else "-")
+    else:
+        w.add_row("total", "formula", _gib(formula_rank), _gib(formula_model))
     console.print(w)
 
     m = Table(title="memory per rank")

@@ -29,7 +29,7 @@ from tidal.serve import openai_api as oai
 from tidal.serve import openai_protocol as proto
 from tidal.sampling_params import SamplingParams, StructuredOutputsParams
 from tidal.serve.chat.constraints import reply_grammar
-from tidal.serve import responses_api
+from tidal.serve import responses_api, vllm_routes
 from tidal.serve.chat import (
     DEFAULT_EFFORT,
     ChatFormat,
@@ -443,8 +443,8 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
         return {"prompt": tok.decode(body.tokens)}
 
     # ---- OpenAI -------------------------------------------------------------------------------
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: proto.ChatCompletionRequest, request: Request) -> Any:
+    async def start_chat(body: proto.ChatCompletionRequest) -> tuple[RequestStream, dict[str, oai.ChatAccumulator]]:
+        """Validate, render and submit one chat request: its stream and one accumulator per choice."""
         st.check_model(body.model)
         body.check_supported()
         level = st.chat_effort(body.reasoning_effort, body.chat_template_kwargs, body.thinking)
@@ -467,8 +467,12 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
             token_bytes=getattr(st.tokenizer, "token_bytes", None),
             tokens_as_ids=bool(body.return_tokens_as_token_ids), prompt_token_ids=ids if body.return_token_ids else None,
         )
-        accs = {r.request_id: oai.ChatAccumulator(st.chat.parser(prompt.thinking), opts, i)
-                for i, r in enumerate(samples)}
+        return stream, {r.request_id: oai.ChatAccumulator(st.chat.parser(prompt.thinking), opts, i)
+                        for i, r in enumerate(samples)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: proto.ChatCompletionRequest, request: Request) -> Any:
+        stream, accs = await start_chat(body)
         if body.stream:
             return sse_response(oai.framed(oai.chat_stream(stream, accs), stream))
         return oai.chat_response(await collect(request, stream), accs)
@@ -510,6 +514,7 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
         return oai.completion_response(await collect(request, stream), acc)
 
     responses_api.register(app, st)
+    vllm_routes.register(app, start_chat, chat_completions, completions)
 
     # ---- Anthropic ----------------------------------------------------------------------------
     async def render_messages(body: anth.MessagesRequest | anth.CountTokensRequest

@@ -26,7 +26,12 @@ SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """--help keeps the description's lines and shows every default."""
+    """--help keeps the description's lines and shows every default (once: a help text that
+    already says its default keeps its own wording)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        return text if "default" in text else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:

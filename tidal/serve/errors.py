@@ -128,7 +128,9 @@ def _validation_message(exc: RequestValidationError, body: bytes | None = None) 
         where = ".".join(loc)
         if param is None and where:
             param = where
-        parts.append(f"{where}: {e.get('msg', 'invalid')}" if where else str(e.get("msg", "invalid")))
+        # pydantic's error type after the text, as vLLM's messages carry it (clients match on it)
+        text = f"{e.get('msg', 'invalid')} ({e['type']})" if e.get("type") else str(e.get("msg", "invalid"))
+        parts.append(f"{where}: {text}" if where else text)
     return "; ".join(parts) or "invalid request", param
 
 

@@ -289,6 +289,8 @@ async def chat_stream(stream: RequestStream, accs: dict[str, ChatAccumulator]) -
         first = chat_chunk(o.id, o.created, o.model, {"role": "assistant", "content": ""}, index=acc.index)
         if o.prompt_token_ids is not None:
             first["prompt_token_ids"] = o.prompt_token_ids
+        if o.continuous_usage:  # every chunk carries usage, the role chunk too (vLLM's continuous_usage_stats)
+            first["usage"] = chat_usage(choices)
         yield sse_data(first)
     async for d in stream:
         acc = accs[d.request_id]

@@ -77,7 +77,7 @@ class _SamplingFields(_Model):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # the sampler's generator takes an int64
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1)
@@ -126,6 +126,9 @@ class _SamplingFields(_Model):
         if len(found) > 1:
             raise bad_request(f"give one output constraint, got {', '.join(n for n, _ in found)}", found[1][0])
         name, fields = found[0]
+        for key in ("regex", "grammar"):
+            if key in fields and not isinstance(fields[key], str):
+                raise bad_request(f"{name}: {key} must be a string, got {type(fields[key]).__name__}", name)
         try:
             return StructuredOutputsParams(**fields)
         except (TypeError, ValueError) as e:
