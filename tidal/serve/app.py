@@ -80,6 +80,8 @@ class ServerConfig:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     reasoning_alias: bool = True
     ui: bool = True  # the chat page at / and /chat (--no-ui turns it off)
+    tokens_as_ids: bool = False  # --return-tokens-as-token-ids: every request's logprobs name "token_id:N"
+    force_include_usage: bool = False  # --enable-force-include-usage: every stream has usage on every chunk
     default_reasoning_effort: str = DEFAULT_EFFORT  # chat completions' effort when a request names none
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     stats_interval: float = 0.0  # seconds between periodic stats lines (0: none)
@@ -462,10 +464,12 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
         stream = await st.submit(samples, max_tokens_param=body.max_tokens_field)
         opts = oai.ChatOptions(
             id=rid, model=body.model, created=oai.now(), num_logprobs=body.num_logprobs,
-            include_usage=body.include_usage, continuous_usage=body.continuous_usage,
+            include_usage=body.include_usage or (body.stream and config.force_include_usage),
+            continuous_usage=body.continuous_usage or (body.stream and config.force_include_usage),
             include_reasoning=body.include_reasoning, reasoning_alias=config.reasoning_alias,
             token_bytes=getattr(st.tokenizer, "token_bytes", None),
-            tokens_as_ids=bool(body.return_tokens_as_token_ids), prompt_token_ids=ids if body.return_token_ids else None,
+            tokens_as_ids=bool(body.return_tokens_as_token_ids or config.tokens_as_ids),
+            prompt_token_ids=ids if body.return_token_ids else None,
         )
         return stream, {r.request_id: oai.ChatAccumulator(st.chat.parser(prompt.thinking), opts, i)
                         for i, r in enumerate(samples)}
@@ -502,8 +506,10 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
         stream = await st.submit(requests, prompt_param="prompt")
         opts = oai.CompletionOptions(
             id=cid, model=body.model, created=oai.now(), index_of={r.request_id: i for i, r in enumerate(requests)},
-            echo_text=echo, prompt_ids=prompt_ids, num_logprobs=body.logprobs, include_usage=body.include_usage,
-            continuous_usage=body.continuous_usage, n=body.n, tokens_as_ids=bool(body.return_tokens_as_token_ids),
+            echo_text=echo, prompt_ids=prompt_ids, num_logprobs=body.logprobs,
+            include_usage=body.include_usage or (body.stream and config.force_include_usage),
+            continuous_usage=body.continuous_usage or (body.stream and config.force_include_usage), n=body.n,
+            tokens_as_ids=bool(body.return_tokens_as_token_ids or config.tokens_as_ids),
             return_token_ids=bool(body.return_token_ids),
         )
         piece = ((lambda t: st.tokenizer.decode([t])) if st.tokenizer is not None and not opts.tokens_as_ids

@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="larger request bodies get 413")
     p.add_argument("--reasoning-alias", action=argparse.BooleanOptionalAction, default=True,
                    help="also send reasoning as `reasoning` (vLLM's newer name) next to `reasoning_content`")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name every token 'token_id:N' (per request: return_tokens_as_token_ids)")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream carries usage on every chunk, as if it asked for include_usage and "
+                        "continuous_usage_stats")
     p.add_argument("--no-ui", dest="ui", action="store_false", help="do not serve the chat page at / and /chat")
     p.add_argument("--default-reasoning-effort", default=None, choices=sorted(REQUEST_EFFORTS),
                    help="thinking effort of chat requests that name none (default: the model's own, from "
@@ -212,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     config = ServerConfig(
         served_model_names=names, model_path=str(model_dir), api_key=args.api_key,
         max_request_bytes=args.max_request_bytes, generation_defaults=generation_defaults(model_dir),
-        reasoning_alias=args.reasoning_alias, ui=args.ui,
+        reasoning_alias=args.reasoning_alias, ui=args.ui, tokens_as_ids=args.return_tokens_as_token_ids,
+        force_include_usage=args.enable_force_include_usage,
         default_reasoning_effort=(request_effort(args.default_reasoning_effort) if args.default_reasoning_effort
                                   else model_default_effort(model_dir)),
         image_limits=ImageLimits(max_images=args.limit_mm_per_prompt, max_pixels=args.max_image_pixels,

@@ -247,6 +247,9 @@ class ChatAccumulator:
         if r.tool_calls:
             msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                                  for c in r.tool_calls]
+        # every field of OpenAI's ChatCompletionMessage is present, null when unused, as OpenAI and vLLM send them
+        for name in ("tool_calls", "refusal", "annotations", "audio", "function_call"):
+            msg.setdefault(name, None)
         return msg
 
 
@@ -318,6 +321,7 @@ def chat_response(deltas: list[TokenDelta], accs: dict[str, ChatAccumulator]) ->
             "finish_reason": acc.finish_reason, "stop_reason": acc.stop_reason,
         } for acc in choices],
         "usage": chat_usage(choices),
+        "system_fingerprint": None, "service_tier": None,
     }
     if o.prompt_token_ids is not None:
         body["prompt_token_ids"] = o.prompt_token_ids

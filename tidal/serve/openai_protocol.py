@@ -165,7 +165,8 @@ class _SamplingFields(_Model):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """Usage on every chunk: only together with include_usage (as vLLM reads the pair)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: dict[str, Any],
                         *, skip_special_tokens: bool | None = None, prompt_logprobs: int | None = None

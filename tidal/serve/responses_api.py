@@ -39,7 +39,7 @@ class ReasoningConfig(_Model):
 
 
 class ResponsesRequest(_Model):
-    model: str
+    model: str | None = None  # as vLLM: none names the served model
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
@@ -328,6 +328,7 @@ def register(app: FastAPI, st: Any) -> None:
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Any:
+        body.model = body.model or st.model_name
         st.check_model(body.model)
         history = store.get(body.previous_response_id) if body.previous_response_id else []
         history += input_messages(body.input)
