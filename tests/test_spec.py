@@ -358,3 +358,21 @@ def test_standalone_drafter_with_the_targets_weights(model):
     assert m.num_chains > 0 and m.acceptance_rate > 0.9
     with pytest.raises(ValueError, match="same tokenizer"):
         StandaloneDrafter(draft, model.config.vocab_size + 1)
+
+
+def test_requests_whose_drafts_fail_back_off(model):
+    """A drafter that is always wrong: each request stops drafting after a chain or two and only
+    probes now and then, so most of its steps are plain decodes (output unchanged)."""
+    prompts = random_prompts(19, 4, 10)
+    jobs = [(0, str(i), p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for i, p in enumerate(prompts)]
+    want = drive(make_engine(model), jobs)
+    truth = {rid: [(t + 1) % model.config.vocab_size for t in seq] for rid, seq in truth_of(jobs, want).items()}
+
+    class Wrong(ContinuationDrafter):
+        def propose(self, rid, token_ids, k):
+            return Draft([(t + 7) % self.vocab for t in token_ids[-k:]])
+
+    engine = make_engine(model, spec=SpeculativeConfig("NGRAM", K), drafter=Wrong(truth, model.config.vocab_size))
+    assert outputs(drive(engine, jobs)) == outputs(want)
+    m = engine.spec.metrics
+    assert 4 <= m.num_chains <= 4 * 39 // 4  # a quarter of the 39 decode steps per request at most

@@ -30,6 +30,9 @@ class SpeculativeConfig:
     ngram_min_match: int = 1
     # Speculate only in steps with at most this many sequences (0: never back off).
     max_spec_batch: int = DEFAULT_MAX_SPEC_BATCH
+    # A request whose recent drafts are mostly rejected (running acceptance below this) stops
+    # drafting for a while, then probes again: a chain that is rejected costs more than a decode.
+    min_accept_rate: float = 0.25
 
     def __post_init__(self) -> None:
         algo = (self.algorithm or "").upper()
@@ -48,6 +51,8 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min_match <= self.ngram_max_match:
             raise ValueError(f"ngram match lengths need 1 <= min ({self.ngram_min_match}) <= max "
                              f"({self.ngram_max_match})")
+        if not 0.0 <= self.min_accept_rate < 1.0:
+            raise ValueError(f"min_accept_rate must be in [0, 1), got {self.min_accept_rate}")
         if self.max_spec_batch < 0:
             raise ValueError(f"max_spec_batch must be >= 0, got {self.max_spec_batch}")
 

@@ -29,6 +29,10 @@ from tidal.spec.rollback import ChainMemory
 from tidal.spec.verify import VerifyLayout
 
 
+RATE_WEIGHT = 0.5  # weight of the newest chain in a request's running acceptance
+PROBE_STEP = 0.02  # rate added per step a request backs off (about 10 steps from 0 to 0.25)
+
+
 def make_drafter(config: SpeculativeConfig, pool: MemoryPool, vocab_size: int) -> Drafter:
     if config.algorithm == "NGRAM":
         return NgramDrafter(config.ngram_max_match, config.ngram_min_match)
@@ -49,6 +53,9 @@ class SpecDecoder:
         self.drafter = drafter if drafter is not None else make_drafter(config, pool, self.vocab_size)
         self.memory = ChainMemory(pool, model_config, config.rollback)
         self.metrics = SpecMetrics(config.num_draft_tokens)
+        # request id -> running acceptance of its chains (1.0 until it has one); below
+        # config.min_accept_rate the request decodes plainly, the rate creeping back up each step.
+        self._rate: dict[str, float] = {}
 
     def extend(self, batch, budget: int) -> None:
         """Give decodes of the scheduled ``batch`` their drafts (``batch.drafts``), growing their
@@ -63,6 +70,10 @@ class SpecDecoder:
                 continue
             k = min(cfg.num_draft_tokens, req.max_tokens - req.num_output_tokens - 1, budget)
             if k < 1:
+                continue
+            rate = self._rate.get(req.request_id, 1.0)
+            if rate < cfg.min_accept_rate:  # backing off: probe again once the rate has crept up
+                self._rate[req.request_id] = rate + PROBE_STEP
                 continue
             draft = self.drafter.propose(req.request_id, req.token_ids, k)
             if draft is None or not draft.tokens:
@@ -97,9 +108,12 @@ class SpecDecoder:
             req.num_computed_tokens = cached + appended
             self.pool.truncate(req.request_id, req.num_computed_tokens + 1)
             self.metrics.record(drafted, accepted, appended)
+            rate = self._rate.get(req.request_id, 1.0)
+            self._rate[req.request_id] = (1 - RATE_WEIGHT) * rate + RATE_WEIGHT * accepted / max(1, drafted)
 
     def forget(self, request_id: str) -> None:
         self.memory.release(request_id)
+        self._rate.pop(request_id, None)
         self.drafter.forget(request_id)
 
     def release_all(self) -> None:
