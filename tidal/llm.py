@@ -67,6 +67,7 @@ class LLM:
         speculative_draft_model_path: str | None = None,
         speculative_dspark_block_size: int | None = None,
         enable_linear_replayssm_spec: bool = False,
+        enable_deterministic_inference: bool = False,
     ) -> None:
         speculative = SpeculativeConfig.from_args(  # bad settings fail before the model loads
             speculative_algorithm, speculative_num_draft_tokens, speculative_draft_model_path,
@@ -98,6 +99,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             max_running_requests=max_running_requests,
             max_queued_requests=max_queued_requests,
+            enable_deterministic_inference=enable_deterministic_inference,
         )
         if prefix_snapshot_interval is not None:
             config.prefix_snapshot_interval = prefix_snapshot_interval

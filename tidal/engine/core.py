@@ -33,6 +33,7 @@ from tidal.engine.sampler import SampleRow, prompt_logprobs, sample
 from tidal.engine.scheduler import ScheduledBatch, Scheduler
 from tidal.model.kimi import KimiForCausalLM
 from tidal.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BYTES, EncoderCache
+from tidal.ops import batch_invariant
 from tidal.plan import SNAPSHOT_KV_FRACTION, Plan, PoolLayout, plan_for_pool, plan_table
 from tidal.sampling_params import SamplingParams
 from tidal.spec.config import SpeculativeConfig
@@ -76,6 +77,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = 128
     # Speculative decoding (SGLang's --speculative-*; None: off), see tidal.spec.
     speculative: SpeculativeConfig | None = None
+    # Greedy tokens independent of the batch, chunking, prefix hits and preemption in bfloat16 too
+    # (SGLang's --enable-deterministic-inference): the row-invariant ops of tidal.ops.batch_invariant.
+    enable_deterministic_inference: bool = False
 
 
 def available_ram_bytes() -> int:
@@ -154,9 +158,12 @@ class EngineCore:
                                    max_running_requests=config.max_running_requests)
         self.media_pad_id = self._media_pad_id(tokenizer)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if config.enable_deterministic_inference:
+            batch_invariant.check_available(self.device, self.dtype)
         self.runner = ModelRunner(model, self.pool, self.encoder_cache,
                                   cuda_graph=not config.disable_cuda_graph, cuda_graph_max_bs=config.cuda_graph_max_bs,
-                                  max_context=min(self.max_model_len, self.layout.max_context_len()))
+                                  max_context=min(self.max_model_len, self.layout.max_context_len()),
+                                  deterministic=config.enable_deterministic_inference)
         self.spec: SpecDecoder | None = None
         if config.speculative is not None:
             self.spec = SpecDecoder(config.speculative, self.pool, self.model_config)

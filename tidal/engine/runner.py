@@ -14,6 +14,7 @@ from tidal.model.context import ForwardBatch
 from tidal.engine.request import ImageItem, Request
 from tidal.model.kimi import KimiForCausalLM
 from tidal.multimodal.encoder_cache import EncoderCache
+from tidal.ops import batch_invariant
 
 
 @dataclass
@@ -37,8 +38,10 @@ class ModelRunner:
     def __init__(
         self, model: KimiForCausalLM, pool: MemoryPool, encoder_cache: EncoderCache | None = None,
         cuda_graph: bool = True, cuda_graph_max_bs: int = DEFAULT_MAX_BS, max_context: int | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.model = model
+        self.deterministic = deterministic  # every step in tidal.ops.batch_invariant's mode
         self.pool = pool
         self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCache(0)
         self.device = next(model.parameters()).device
@@ -49,8 +52,13 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, pool, cuda_graph_max_bs, context)
             self.graphs.capture_all()
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepLogits:
+        """:meth:`run_step`, in deterministic mode when the engine asks for it."""
+        with batch_invariant.deterministic_mode(self.deterministic):
+            return self.run_step(batch)
+
+    @torch.inference_mode()
+    def run_step(self, batch: ScheduledBatch) -> StepLogits:
         """Run the step's tokens; the returned rows refer to positions in ``batch``.
 
         The model sees the sequences decode-first and ordered by state block, so the decoding

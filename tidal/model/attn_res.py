@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tidal.model.layers import compute_dtype
+from tidal.ops import batch_invariant
 
 
 def attn_res(
@@ -21,7 +22,9 @@ def attn_res(
     values = torch.stack([*blocks, partial]).to(ct)  # [n+1, T, d]
     keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
     query = norm_weight.to(ct) * proj_weight.reshape(-1).to(ct)
-    alpha = torch.softmax(keys @ query, dim=0)  # [n+1, T]
+    # deterministic mode: one reduction per row, where a matrix-vector product blocks by the rows
+    logits = (keys * query).sum(-1) if batch_invariant.enabled() else keys @ query
+    alpha = torch.softmax(logits, dim=0)  # [n+1, T]
     return (alpha.unsqueeze(-1) * values).sum(0).to(partial.dtype)
 
 

@@ -8,7 +8,7 @@ from torch import nn
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
 from tidal.model.layers import FusedWeights, compute_dtype, fuse_linears, linear, rms_norm
-from tidal.ops import backends, dense
+from tidal.ops import backends, batch_invariant, dense
 from tidal.ops.kda import (
     CHUNK,
     kda_chunked,
@@ -142,7 +142,11 @@ class KimiDeltaAttention(nn.Module):
         groups: dict[int, list[int]] = {}
         for b in batch.prefill_seqs:
             n = batch.query_lens[b]
-            if n <= RECURRENT_MAX_LEN:
+            if batch_invariant.enabled():  # each token as a decode step: any chunking, the same bits
+                s = slots[b]
+                for t in range(batch.token_slice(b).start, batch.token_slice(b).stop):
+                    o[t : t + 1] = kda_decode_step_(*(x[t : t + 1] for x in inputs), state[s : s + 1]).to(state.dtype)
+            elif n <= RECURRENT_MAX_LEN:
                 sl, s = batch.token_slice(b), slots[b]
                 o_b, s_b = kda_recurrent(*(t[sl].unsqueeze(0) for t in inputs), state[s : s + 1])
                 o[sl], state[s] = o_b[0], s_b[0]

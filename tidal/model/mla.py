@@ -8,7 +8,7 @@ from torch import nn
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
 from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, fuse_linears, linear
-from tidal.ops import dense
+from tidal.ops import batch_invariant, dense
 from tidal.ops.backends import mla_paged_decode, mla_prefill_attention
 from tidal.ops.mla import mla_absorbed_attention, mla_naive_attention
 from tidal.ops.mla_tiled import mla_tiled_attention
@@ -77,7 +77,9 @@ class KimiMLA(nn.Module):
         c, k_pe = kv.split([self.kv_lora_rank, self.qk_rope], dim=-1)
         batch.cache.mla_write(self.mla_index, torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1))
         w = self.kv_b_proj.weight
-        if self.context_parallel is not None:
+        if batch_invariant.enabled():
+            out = self._attend_row_invariant(q_nope, q_pe, batch)
+        elif self.context_parallel is not None:
             out = self.context_parallel.attend(q_nope, q_pe, w, self.scale, batch, self.mla_index)
         else:
             out = self._attend(q_nope, q_pe, w, batch)
@@ -115,4 +117,23 @@ class KimiMLA(nn.Module):
             else:
                 latents = batch.cache.mla_read(self.mla_index, b)
                 out[sl] = mla_naive_attention(q_nope[sl], q_pe[sl], latents, w, self.scale)
+        return out
+
+    def _attend_row_invariant(self, q_nope: torch.Tensor, q_pe: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Deterministic mode: every query, prefill or decode, as a decode query over its own
+        prefix (``tidal.ops.batch_invariant.mla_attention``), all in one call over the pool's pages
+        (one page holding a sequence's latents over a SimpleCache)."""
+        w, dev = self.kv_b_proj.weight, q_nope.device
+        lengths = torch.cat([torch.arange(c + 1, c + q + 1) for c, q in zip(batch.cached_lens, batch.query_lens)])
+        paged = getattr(batch.cache, "mla_pages", None)
+        if paged is not None:
+            pages, table, _ = paged(self.mla_index, list(range(batch.num_seqs)))
+            seq_of = torch.repeat_interleave(torch.arange(batch.num_seqs), torch.tensor(batch.query_lens))
+            return batch_invariant.mla_attention(q_nope, q_pe, pages, table[seq_of.to(dev)], lengths, w, self.scale)
+        out = q_nope.new_empty(q_nope.shape[0], self.num_heads, self.v_dim)
+        for b in range(batch.num_seqs):
+            sl = batch.token_slice(b)
+            latents = batch.cache.mla_read(self.mla_index, b)[None]
+            table = torch.zeros(sl.stop - sl.start, 1, dtype=torch.long)
+            out[sl] = batch_invariant.mla_attention(q_nope[sl], q_pe[sl], latents, table, lengths[sl], w, self.scale)
         return out

@@ -16,7 +16,7 @@ from torch.nn.utils import parametrize
 
 from tidal.config import ModelConfig
 from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, fuse_linears, linear
-from tidal.ops import backends
+from tidal.ops import backends, batch_invariant
 from tidal.ops.activation import can_overwrite, situ, swiglu
 from tidal.ops import dense, mxfp4_moe
 from tidal.ops.cpu_kernels import grouped_gemm_for
@@ -51,7 +51,7 @@ def feature_major(rows: int, w: torch.Tensor) -> bool:
 def project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` (x [n, K], w [N, K] -> [n, N]), for a few rows computed as (w @ x.t()).t().
     The result may then be a transposed view; rows are independent either way."""
-    if x.dim() != 2 or x.shape[0] == 0 or not feature_major(x.shape[0], w):
+    if x.dim() != 2 or x.shape[0] == 0 or not feature_major(x.shape[0], w) or batch_invariant.enabled():
         return dense.linear(x, w)
     x = x.contiguous()  # x.t() must be a transposed contiguous matrix, else MKL takes a slow path
     if x.shape[0] == 1:
@@ -116,7 +116,10 @@ class Router(nn.Module):
         """x [T, d] -> (expert ids [T, k], weights [T, k] in float32 or wider)."""
         c = self.config
         ct = compute_dtype(x.dtype)
-        scores = torch.sigmoid(x.to(ct) @ self.weight.to(ct).t())
+        if batch_invariant.enabled():
+            scores = torch.sigmoid(batch_invariant.linear(x.to(ct), self.weight))
+        else:
+            scores = torch.sigmoid(x.to(ct) @ self.weight.to(ct).t())
         key = scores + self.e_score_correction_bias.to(ct)
         if c.num_expert_group > 1 and c.topk_group < c.num_expert_group:
             grouped = key.view(key.shape[0], c.num_expert_group, -1)
@@ -221,14 +224,14 @@ class Experts(nn.Module):
             return backends.routed_experts(h, ids, weights, (gate_up, None), (self.w2, None),
                                            lambda g, u: activate(self.config, g, u))
         kernel = grouped_gemm_for(h, w13, self.w2) if w13 is not None else None
-        if T == 1 and kernel is None and self.local_experts is None:
+        if T == 1 and kernel is None and self.local_experts is None and not batch_invariant.enabled():
             return self._one_token(h, ids, weights, out)
         order, experts, counts = group_by_expert(ids, self.local_experts)
         if not experts:
             return out
         token_of = order // k
         w_sorted = weights.reshape(-1)[order]
-        if kernel is not None and max(counts) <= FEW_ROWS:
+        if kernel is not None and (max(counts) <= FEW_ROWS or batch_invariant.enabled()):
             return self._few_rows(kernel, h, token_of, w_sorted, experts, counts, w13, out)
         gate_up, w2 = self._gate_up_weights(), self.w2
         start = 0

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="on a GPU, the pool is this share of device memory minus the weights (default 0.9)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly on a GPU")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="greedy output independent of the batch, chunking, prefix hits and preemption, in bfloat16 "
+                        "too (row-invariant kernels; CPU only; slower prefill)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch run as a captured CUDA graph (default 128)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -209,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                   speculative_num_draft_tokens=args.speculative_num_draft_tokens,
                   speculative_draft_model_path=args.speculative_draft_model_path,
                   speculative_dspark_block_size=args.speculative_dspark_block_size,
-                  enable_linear_replayssm_spec=args.enable_linear_replayssm_spec)
+                  enable_linear_replayssm_spec=args.enable_linear_replayssm_spec,
+                  enable_deterministic_inference=args.enable_deterministic_inference)
     except (ValueError, OSError, ConfigError) as e:
         print(f"tidal serve: {e}", file=sys.stderr)
         return 2
