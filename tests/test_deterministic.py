@@ -77,6 +77,15 @@ def test_bf16_greedy_is_bitwise_batch_chunk_prefix_and_preemption_invariant(mode
     assert tight.metrics().num_preemptions > 0
 
 
+def test_without_the_flag_the_same_workload_is_not_bitwise_invariant(model):
+    """The check above can fail: by default bf16 matmuls block by the row count, and chunked
+    prefill computes tokens differently, so some requests' log-probabilities change."""
+    jobs = workload(0, 10)
+    solo = [drive(make_engine(model, enable_prefix_caching=False), [(0, p, sp)])[0] for _, p, sp in jobs]
+    got = drive(make_engine(model, budget=7, prefix_snapshot_interval=8), jobs)
+    assert any(g[1] != s[1] for g, s in zip(got, solo))
+
+
 def test_the_mode_is_per_thread_and_restored(model):
     assert not batch_invariant.enabled()
     with batch_invariant.deterministic_mode():
