@@ -65,7 +65,7 @@ def workload(seed: int, count: int) -> list[tuple[int, list[int], SamplingParams
 
 
 def test_bf16_greedy_is_bitwise_batch_chunk_prefix_and_preemption_invariant(model):
-    jobs = workload(0, 10)
+    jobs = workload(1, 12)  # its request 10 caught vector-vs-scalar exp rounding in AttnRes
     solo = [drive(make_engine(model, enable_deterministic_inference=True, enable_prefix_caching=False),
                   [(0, p, sp)])[0] for _, p, sp in jobs]
     for budget in (2048, 7):  # whole prompts; chunks of 7 tokens across requests

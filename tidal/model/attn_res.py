@@ -22,9 +22,15 @@ def attn_res(
     values = torch.stack([*blocks, partial]).to(ct)  # [n+1, T, d]
     keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
     query = norm_weight.to(ct) * proj_weight.reshape(-1).to(ct)
-    # deterministic mode: one reduction per row, where a matrix-vector product blocks by the rows
-    logits = (keys * query).sum(-1) if batch_invariant.enabled() else keys @ query
-    alpha = torch.softmax(logits, dim=0)  # [n+1, T]
+    if batch_invariant.enabled():
+        # token-major, one reduction per token: a matrix-vector product blocks by the rows, and a
+        # softmax over dim 0 vectorises across the tokens
+        alpha = torch.softmax((keys * query).sum(-1).t(), dim=-1)  # [T, n+1]
+        out = alpha[:, :1] * values[0]
+        for j in range(1, values.shape[0]):
+            out = out + alpha[:, j : j + 1] * values[j]
+        return out.to(partial.dtype)
+    alpha = torch.softmax(keys @ query, dim=0)  # [n+1, T]
     return (alpha.unsqueeze(-1) * values).sum(0).to(partial.dtype)
 
 

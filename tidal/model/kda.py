@@ -91,7 +91,8 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = qkv.to(sdt).view(T, 3, H, K).unbind(1)
         q = l2_normalize(q) * K**-0.5
         k = l2_normalize(k)
-        beta = torch.sigmoid(b.to(compute_dtype(x.dtype)))
+        b = b.to(compute_dtype(x.dtype))
+        beta = batch_invariant.rowwise(torch.sigmoid, b) if batch_invariant.enabled() else torch.sigmoid(b)
         z = self.f_b_proj(f_a).view(T, H, K)
         g = kda_gate(z, self.A_log, self.dt_bias, self.config.kda_gate_lower_bound)
         o = self._delta_rule((q, k, v, g, beta), rec_state, batch)  # [T, H, V] in state dtype

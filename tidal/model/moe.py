@@ -117,7 +117,7 @@ class Router(nn.Module):
         c = self.config
         ct = compute_dtype(x.dtype)
         if batch_invariant.enabled():
-            scores = torch.sigmoid(batch_invariant.linear(x.to(ct), self.weight))
+            scores = batch_invariant.rowwise(torch.sigmoid, batch_invariant.linear(x.to(ct), self.weight))
         else:
             scores = torch.sigmoid(x.to(ct) @ self.weight.to(ct).t())
         key = scores + self.e_score_correction_bias.to(ct)

@@ -14,7 +14,9 @@ batch_invariant_ops and SGLang's deterministic mode, done here with the CPU C ke
   ``csrc/mla_decode.c`` over its own prefix, with the weight absorption per head in the row kernel;
 - KDA: every prefill token stepped through the decode kernel ``csrc/kda_decode.c``, so a token's
   state update is the same whether it was prefilled (in any chunking) or decoded;
-- MoE: each expert's rows through the row kernel, added in ascending expert order.
+- MoE: each expert's rows through the row kernel, added in ascending expert order;
+- element-wise exp and sigmoid on narrow rows (router scores, KDA beta, AttnRes weights) on rows
+  padded to whole vectors (:func:`rowwise`).
 
 A request's greedy tokens then depend on nothing but the request: not on the batch, the chunk
 size, prefix-cache hits or preemption. The cost (prefill loses BLAS's blocking and the chunked
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +65,20 @@ def check_available(device: torch.device, dtype: torch.dtype) -> None:
                          f"{', '.join(missing)} (a C compiler on PATH, TIDAL_CPU_KERNELS not 0)")
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"--enable-deterministic-inference takes bfloat16 or float32 models, not {dtype}")
+
+
+# Row width that element-wise kernels cover with whole vectors (two 16-float AVX-512 registers per
+# step, the widest torch's CPU loops take), so no element of a padded row falls in a scalar tail.
+VECTOR_ROW = 64
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn`` (element-wise) on x [..., m], each row zero-padded to a whole number of VECTOR_ROW
+    values: a value's lane in torch's vectorized loop, and so its rounding (vector exp and sigmoid
+    differ from the scalar tail's in the last bit), no longer depends on how many rows there are."""
+    m = x.shape[-1]
+    padded = F.pad(x, (0, -m % VECTOR_ROW))
+    return fn(padded)[..., :m]
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
