@@ -118,10 +118,10 @@ def test_open_streams_end_with_an_error_event_when_the_engine_dies(monkeypatch):
     """Public behaviour only (the engine may run in a thread or a process of its own): a stream
     whose engine dies mid-reply gets an error event naming the cause and ends; a stream still
     waiting for the running set gets one too; /health turns 503."""
-    monkeypatch.setenv(FAULT_ENV, "corrupt-pool-at-step:40")
+    monkeypatch.setenv(FAULT_ENV, "corrupt-pool-at-step:100")  # far enough for the second stream to be in
     server = start_server("--max-num-seqs", "1")
     try:
-        chat = {"model": MODEL, "stream": True, "max_tokens": 64, "ignore_eos": True,
+        chat = {"model": MODEL, "stream": True, "max_tokens": 160, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "tell me a story"}]}
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=chat, timeout=120) as first:
             assert first.status_code == 200
@@ -137,7 +137,7 @@ def test_open_streams_end_with_an_error_event_when_the_engine_dies(monkeypatch):
         chunks = [json.loads(d) for d in rest if d != "[DONE]"]
         assert rest[-1] == "[DONE]" and rest.count("[DONE]") == 1  # the stream ends, once
         error = chunks[-1]["error"]
-        assert "injected pool corruption at step 40" in error["message"], error
+        assert "injected pool corruption at step 100" in error["message"], error
         assert all("error" not in c for c in chunks[:-1])
         assert any(c["choices"] and c["choices"][0]["delta"].get("content") for c in chunks[:-1])  # it had started
         names = [name for name, _ in anthropic]
