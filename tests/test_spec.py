@@ -24,6 +24,11 @@ from test_engine import drive, one_thread, random_prompts  # noqa: F401 - one_th
 
 PAGE = 4
 K = 4
+
+
+def spec_config(*args, **kw) -> SpeculativeConfig:
+    """Speculation in every step, however many sequences it has (the tests batch many)."""
+    return SpeculativeConfig(*args, max_spec_batch=0, **kw)
 METHODS = [False, True]  # enable_linear_replayssm_spec: block swap, checkpoint + replay
 
 
@@ -115,7 +120,7 @@ def test_greedy_equal_with_random_accept_lengths(model):
     for budget in (2048, 9):  # whole prompts; chunked prefills that leave chains little room
         for replay in METHODS:
             drafter = ContinuationDrafter(truth, model.config.vocab_size, rng=random.Random(budget))
-            spec = SpeculativeConfig("NGRAM", K, enable_linear_replayssm_spec=replay)
+            spec = spec_config("NGRAM", K, enable_linear_replayssm_spec=replay)
             engine = make_engine(model, budget=budget, spec=spec, drafter=drafter)
             got = drive(engine, jobs)
             assert outputs(got) == outputs(want), (budget, replay)
@@ -144,7 +149,7 @@ def test_rollback_methods_agree_bit_for_bit(model):
         states = []
         for replay in METHODS:
             drafter = ContinuationDrafter(truth, model.config.vocab_size, right=right)
-            e = make_engine(model, spec=SpeculativeConfig("NGRAM", K, enable_linear_replayssm_spec=replay),
+            e = make_engine(model, spec=spec_config("NGRAM", K, enable_linear_replayssm_spec=replay),
                             drafter=drafter, enable_prefix_caching=False)
             e.add_request("r", prompt, params)
             e.step()  # prefill
@@ -167,7 +172,7 @@ def test_own_continuation_fully_accepted_shifted_rejected(model, replay):
     jobs = [(0, str(i), p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)) for i, p in enumerate(prompts)]
     base = drive(make_engine(model), jobs)
     truth = truth_of(jobs, base)
-    spec = SpeculativeConfig("NGRAM", K, enable_linear_replayssm_spec=replay)
+    spec = spec_config("NGRAM", K, enable_linear_replayssm_spec=replay)
     exact = make_engine(model, spec=spec, drafter=ContinuationDrafter(truth, model.config.vocab_size))
     assert outputs(drive(exact, jobs)) == outputs(base)
     m = exact.spec.metrics
@@ -192,7 +197,7 @@ def test_preemption_and_prefix_hits(model, replay):
     # The next turn of each conversation: its prompt starts with the whole first turn.
     turns = truth_of(first, drive(make_engine(model), first))
     jobs = first + [(60, f"next{i}", turns[str(i)] + [5, 6], params) for i in range(len(prompts))]
-    spec = SpeculativeConfig("NGRAM", K, enable_linear_replayssm_spec=replay)
+    spec = spec_config("NGRAM", K, enable_linear_replayssm_spec=replay)
     for blocks, run in ((10, first), (64, jobs)):
         want = drive(make_engine(model, blocks=blocks), run)
         engine = make_engine(model, blocks=blocks, spec=spec, drafter=ContinuationDrafter(
@@ -205,7 +210,7 @@ def test_preemption_and_prefix_hits(model, replay):
 
 @pytest.mark.parametrize("replay", METHODS)
 def test_pool_back_to_start_after_spec_runs_with_aborts(model, replay):
-    engine = make_engine(model, blocks=8, budget=16, spec=SpeculativeConfig("NGRAM", K, enable_linear_replayssm_spec=replay))
+    engine = make_engine(model, blocks=8, budget=16, spec=spec_config("NGRAM", K, enable_linear_replayssm_spec=replay))
     start = engine.pool.usage()
     for i, p in enumerate(random_prompts(14, 12, 20)):
         # Prompts that repeat themselves: the n-gram drafter has guesses.
@@ -305,7 +310,7 @@ def test_sampling_with_speculation_is_seeded_and_runs_chains(model):
     jobs = [(0, str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     runs = []
     for _ in range(2):
-        engine = make_engine(model, spec=SpeculativeConfig("NGRAM", K))
+        engine = make_engine(model, spec=spec_config("NGRAM", K))
         runs.append(outputs(drive(engine, jobs)))
         m = engine.spec.metrics
         assert m.num_chains > 0 and m.num_drafted_tokens > m.num_accepted_tokens
@@ -323,7 +328,7 @@ def test_metrics_report_chains_positions_and_accept_length(model):
     prompts = random_prompts(17, 4, 12)
     jobs = [(0, str(i), p, SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)) for i, p in enumerate(prompts)]
     truth = truth_of(jobs, drive(make_engine(model), jobs))
-    engine = make_engine(model, spec=SpeculativeConfig("NGRAM", K),
+    engine = make_engine(model, spec=spec_config("NGRAM", K),
                          drafter=ContinuationDrafter(truth, model.config.vocab_size, rng=random.Random(1)))
     drive(engine, jobs)
     m = engine.metrics()
@@ -351,7 +356,7 @@ def test_standalone_drafter_with_the_targets_weights(model):
     prompts = random_prompts(18, 5, 16)
     jobs = [(0, str(i), p, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)) for i, p in enumerate(prompts)]
     want = drive(make_engine(model), jobs)
-    engine = make_engine(model, spec=SpeculativeConfig("NGRAM", K),
+    engine = make_engine(model, spec=spec_config("NGRAM", K),
                          drafter=StandaloneDrafter(draft, model.config.vocab_size))
     assert outputs(drive(engine, jobs)) == outputs(want)
     m = engine.spec.metrics
@@ -372,7 +377,7 @@ def test_requests_whose_drafts_fail_back_off(model):
         def propose(self, rid, token_ids, k):
             return Draft([(t + 7) % self.vocab for t in token_ids[-k:]])
 
-    engine = make_engine(model, spec=SpeculativeConfig("NGRAM", K), drafter=Wrong(truth, model.config.vocab_size))
+    engine = make_engine(model, spec=spec_config("NGRAM", K), drafter=Wrong(truth, model.config.vocab_size))
     assert outputs(drive(engine, jobs)) == outputs(want)
     m = engine.spec.metrics
     assert 4 <= m.num_chains <= 4 * 39 // 4  # a quarter of the 39 decode steps per request at most
