@@ -64,3 +64,26 @@ def test_logit_bias_outside_the_vocabulary_is_a_400(oai):
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                     logit_bias={"abc": 1})
+
+
+def test_completions_heal_text_prompts_and_report_the_prompt_as_sent(oai, tok):
+    cut = "def f(x):\n"  # "\n" + indentation is one token: the plain run writes no body
+    ids = tok.encode(cut)
+    unsplit = tok.decode(ids[:-1])
+    kw = {"model": MODEL, "max_tokens": 10, "temperature": 0}
+    healed = oai.completions.create(prompt=cut, **kw)
+    whole = oai.completions.create(prompt=unsplit, **{**kw, "max_tokens": 11})  # + the regenerated "\n"
+    assert cut + healed.choices[0].text == unsplit + whole.choices[0].text
+    assert (healed.usage.prompt_tokens, healed.usage.completion_tokens) == (len(ids), 10)  # the prompt as sent
+    off = oai.completions.create(prompt=cut, extra_body={"token_healing": False}, **kw)
+    assert off.choices[0].text != healed.choices[0].text
+    assert oai.completions.create(prompt=ids, **kw).choices[0].text == off.choices[0].text  # token ids: as sent
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(prompt=cut, stream=True, **kw))
+    assert streamed == healed.choices[0].text
+    echo = oai.completions.create(prompt=cut, echo=True, logprobs=1, **kw)
+    echo_off = oai.completions.create(prompt=cut, echo=True, logprobs=1, extra_body={"token_healing": False}, **kw)
+    assert echo.choices[0].text == cut + healed.choices[0].text
+    lp, lp_off = echo.choices[0].logprobs, echo_off.choices[0].logprobs
+    assert lp.tokens[:len(ids)] == lp_off.tokens[:len(ids)] == [tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:len(ids)] == pytest.approx(lp_off.token_logprobs[1:len(ids)], abs=1e-4)

@@ -18,12 +18,15 @@ class TokenBytes(Protocol):
 
 
 class Detokenizer:
-    """Text of one generated sequence, one token at a time."""
+    """Text of one generated sequence, one token at a time. ``drop_prefix``: bytes the sequence is
+    known to start with that are not part of its text (token healing regenerates the prompt's
+    last token; the constraint that forces them is :class:`tidal.engine.grammar.PrefixConstraint`)."""
 
-    def __init__(self, tokenizer: TokenBytes, *, skip_special_tokens: bool = False) -> None:
+    def __init__(self, tokenizer: TokenBytes, *, skip_special_tokens: bool = False, drop_prefix: bytes = b"") -> None:
         self.tokenizer = tokenizer
         self.skip = tokenizer.special_ids if skip_special_tokens else frozenset()
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._drop = drop_prefix
         self.text = ""
 
     def add(self, token_id: int) -> str:
@@ -31,7 +34,11 @@ class Detokenizer:
         multi-byte character)."""
         if token_id in self.skip:
             return ""
-        delta = self._utf8.decode(self.tokenizer.token_bytes(token_id))
+        raw = self.tokenizer.token_bytes(token_id)
+        if self._drop:
+            n = min(len(self._drop), len(raw))
+            raw, self._drop = raw[n:], self._drop[n:]
+        delta = self._utf8.decode(raw)
         self.text += delta
         return delta
 

@@ -60,6 +60,11 @@ class SamplingParams:
     ``frequency_penalty`` subtracts ``count * value`` and ``presence_penalty`` subtracts ``value``
     from each token already generated. ``logit_bias`` adds to a token's logit (-100..100).
     ``n`` samples per prompt; sample ``i`` of a seeded request uses seed ``seed + i``.
+
+    ``token_healing`` (transformers' name): when the prompt's last token is the start of a longer
+    token, prefill without it and make the output start with its bytes; the output's text and
+    the request's prompt (ids, count, prompt logprobs) stay as sent. Off when
+    ``structured_outputs`` is set (the grammar starts at the prompt's end).
     """
 
     n: int = 1
@@ -82,6 +87,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    token_healing: bool = False
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:

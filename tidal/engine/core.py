@@ -16,7 +16,7 @@ import torch
 from tidal.cache.pool import MemoryPool
 from tidal.cache.prefix import PrefixCache
 from tidal.detokenizer import Detokenizer
-from tidal.engine.grammar import GrammarCompiler, PrefixConstraint
+from tidal.engine.grammar import GrammarCompiler, PrefixConstraint, TokenTrie, healing_split
 from tidal.cache.recount import recount
 from tidal.engine.faults import FaultInjection, StepFailedError
 from tidal.engine.metrics import EngineMetrics, RequestMetrics
@@ -174,6 +174,7 @@ class EngineCore:
             self.eos_token_ids += (tok_eos,)
         self._metrics = EngineMetrics()
         self._grammar = None  # GrammarCompiler, built on the first constrained request
+        self._trie: TokenTrie | None = None  # built on the first token-healed request
         self._forks: dict[str, list[Request]] = {}  # n > 1: first sample's id -> siblings held back
         self.dead: str | None = None  # why the engine can no longer step (see tidal.engine.faults)
         self.faults = FaultInjection.from_env()
@@ -267,7 +268,8 @@ class EngineCore:
             raise ValueError("EngineCore takes one sample per request: add n requests with "
                              "SamplingParams.for_sample(i) (LLM.generate does)")
         try:
-            req = self._make_request(request_id, list(prompt_token_ids), params, prompt, arrival_time)
+            req = self._make_request(request_id, list(prompt_token_ids), params, prompt, arrival_time,
+                                     heal=not images)
             if images or self.model.has_vision:
                 self._check_images(req, list(images or []))
                 req.images = sorted(images or [], key=lambda item: item.offset)
@@ -297,7 +299,8 @@ class EngineCore:
                         self.scheduler.add(req)
 
     def _make_request(
-        self, rid: str, ids: list[int], params: SamplingParams, prompt: str | None, arrival: float | None
+        self, rid: str, ids: list[int], params: SamplingParams, prompt: str | None, arrival: float | None,
+        heal: bool = True,
     ) -> Request:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -330,26 +333,39 @@ class EngineCore:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        detok = None
-        if self.tokenizer is not None:
-            detok = Detokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
-        constraint = None
+        constraint, healed = None, None
         if params.structured_outputs is not None:
             stops = () if params.ignore_eos else self.eos_token_ids
             constraint = self.grammar_compiler().compile(params.structured_outputs).matcher(
                 (*stops, *params.stop_token_ids))
+        elif params.token_healing and heal and self.tokenizer is not None:
+            healed = healing_split(ids, self.token_trie())
+            if healed is not None:
+                ids = ids[:-1]
+                constraint = PrefixConstraint(self.token_trie(), self.tokenizer, self.tokenizer.token_bytes(healed))
+        detok = None
+        if self.tokenizer is not None:
+            detok = Detokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                drop_prefix=self.tokenizer.token_bytes(healed) if healed is not None else b"")
         return Request(
             request_id=rid,
             prompt_token_ids=ids,
             params=params,
             eos_token_ids=self.eos_token_ids,
-            max_tokens=max_tokens,
+            max_tokens=max_tokens + (healed is not None),  # the regenerated token is the prompt's
             prompt=prompt,
             generator=generator,
             detokenizer=detok,
             metrics=RequestMetrics(arrival_time=time.monotonic() if arrival is None else arrival),
             constraint=constraint,
+            healed_token_id=healed,
         )
+
+    def token_trie(self) -> TokenTrie:
+        """The vocabulary's byte trie token healing looks tokens up in (built once)."""
+        if self._trie is None:
+            self._trie = TokenTrie(self.tokenizer, self.model_config.vocab_size)
+        return self._trie
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The llguidance compiler over this engine's tokenizer (thread safe; built once)."""
@@ -458,6 +474,9 @@ class EngineCore:
         reqs = [batch.requests[b] for b in logits.sample_seqs]
         rows = [SampleRow(r.params, r.generator, r.banned_tokens(), r.token_ids, r.num_prompt_tokens, r.constraint)
                 for r in reqs]
+        for j, req in enumerate(reqs):
+            if req.healed_token_id is not None and req.num_output_tokens == 0:
+                self._record_healed_logprob(req, logits.sample_logits[j:j + 1])
         now = time.monotonic()
         for req, res in zip(reqs, sample(logits.sample_logits, rows)):
             self._append(req, res, now)
@@ -515,12 +534,20 @@ class EngineCore:
 
     def _record_prompt_logprobs(self, req: Request, positions: list[int], logits: torch.Tensor) -> None:
         assert req.prompt_logprobs is not None and req.params.prompt_logprobs is not None
-        targets = [req.prompt_token_ids[t + 1] for t in positions]
+        sent = req.sent_prompt_token_ids
+        targets = [sent[t + 1] for t in positions]
         for target, (lp, rank, top) in zip(targets, prompt_logprobs(logits, targets, req.params.prompt_logprobs)):
             entry = {target: Logprob(lp, rank, self._piece(target))}
             for i, (tok, v) in enumerate(top):
                 entry.setdefault(tok, Logprob(v, i + 1, self._piece(tok)))
             req.prompt_logprobs.append(entry)
+
+    def _record_healed_logprob(self, req: Request, logits: torch.Tensor) -> None:
+        """The prompt logprob of the token healing left out: the first output position scores it
+        (the raw distribution, before the healing mask)."""
+        if req.prompt_logprobs is None or len(req.prompt_logprobs) != req.num_prompt_tokens:
+            return  # not asked for, or recorded before a preemption
+        self._record_prompt_logprobs(req, [req.num_prompt_tokens - 1], logits)
 
     def _piece(self, token_id: int) -> str | None:
         if self.tokenizer is None:

@@ -6,7 +6,8 @@ Two kinds of :class:`TokenConstraint`:
   llguidance. :class:`GrammarCompiler` compiles each grammar once per tokenizer (an LRU cache
   keyed by the grammar text) and hands every request a copy of the compiled matcher; the batch's
   masks are computed together on llguidance's thread pool.
-- :class:`PrefixConstraint` -- token healing: the output's bytes must start with given bytes.
+- :class:`PrefixConstraint` -- token healing: the output's bytes must start with given bytes
+  (:func:`healing_split` picks them: the prompt's last token, when a longer token extends it).
 
 The sampler asks :func:`allowed_tokens` for the rows that have one, applies the mask to the
 logits, and the engine calls :meth:`TokenConstraint.accept` with every token it commits.
@@ -229,6 +230,7 @@ class TokenTrie:
         self.keys = [b for b, _ in pairs]
         self.ids = torch.tensor([i for _, i in pairs], dtype=torch.long)
         self.by_bytes = {b: i for b, i in pairs}
+        self.bytes_of = {i: b for b, i in pairs}
         self.vocab_size = vocab_size
 
     def allowed(self, prefix: bytes) -> torch.Tensor:
@@ -245,6 +247,25 @@ class TokenTrie:
                 step_hi = mid
         shorter = [self.by_bytes[prefix[:k]] for k in range(1, len(prefix)) if prefix[:k] in self.by_bytes]
         return torch.cat([self.ids[lo:hi], torch.tensor(shorter, dtype=torch.long)])
+
+    def extends(self, prefix: bytes) -> bool:
+        """Some token's bytes start with ``prefix`` and are longer."""
+        i = bisect.bisect_right(self.keys, prefix)
+        return i < len(self.keys) and self.keys[i].startswith(prefix)
+
+
+def healing_split(prompt_token_ids: Sequence[int], trie: TokenTrie) -> int | None:
+    """Token healing (as transformers' ``token_healing`` and guidance do it): the prompt's last
+    token when a longer token starts with its bytes -- the prompt then ends inside what the
+    tokenizer would have made one token had the text gone on (``"):\n"`` before an indent,
+    ``"bro"`` of ``"brown"``). The engine backs the prompt off by that token and constrains the
+    output to start with its bytes. None when there is nothing to heal (a single-token prompt,
+    a special token, a token nothing extends)."""
+    if len(prompt_token_ids) < 2:
+        return None
+    last = prompt_token_ids[-1]
+    key = trie.bytes_of.get(last)
+    return last if key is not None and trie.extends(key) else None
 
 
 class PrefixConstraint:

@@ -60,6 +60,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
+    # Token healing: 1 when the prompt's last token (in prompt_token_ids, as sent) was left out
+    # and regenerated as part of the output; usage counts it as prompt, not completion.
+    num_healed_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
-    max_tokens: int  # params.max_tokens, or what the context limit leaves
+    max_tokens: int  # params.max_tokens, or what the context limit leaves (+1 for a healed prompt)
     prompt: str | None = None
     generator: torch.Generator | None = None
     detokenizer: Detokenizer | None = None
@@ -120,6 +123,9 @@ class Request:
     # snapshots the state) here, one token short of the prompt, so its siblings start from it.
     fork_depth: int | None = None
     images: list[ImageItem] = field(default_factory=list)
+    # Token healing: the prompt's last token as sent, left out of ``prompt_token_ids`` (which the
+    # engine runs) and regenerated under a PrefixConstraint; outputs report the prompt as sent.
+    healed_token_id: int | None = None
     _prompt_key: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -134,12 +140,23 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def sent_prompt_token_ids(self) -> list[int]:
+        """The prompt as the client sent it (before token healing backed it off)."""
+        healed = [] if self.healed_token_id is None else [self.healed_token_id]
+        return [*self.prompt_token_ids, *healed]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """Output tokens past the prompt as sent (a healed prompt's regenerated token is prompt)."""
+        return max(0, self.num_output_tokens - (self.healed_token_id is not None))
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -169,7 +186,7 @@ class Request:
 
     def banned_tokens(self) -> tuple[int, ...]:
         """Tokens that may not be sampled now: the stop tokens until ``min_tokens`` are out."""
-        if self.num_output_tokens >= self.params.min_tokens:
+        if self.num_completion_tokens >= self.params.min_tokens:
             return ()
         eos = () if self.params.ignore_eos else self.eos_token_ids
         return tuple(eos) + tuple(self.params.stop_token_ids or ())
@@ -197,7 +214,7 @@ class Request:
             before = len(self.text)
             self.detokenizer.add(token_id)
             self.text = self.detokenizer.text
-            if p.stop_strings and self.num_output_tokens > p.min_tokens and self._check_stop_strings(before):
+            if p.stop_strings and self.num_completion_tokens > p.min_tokens and self._check_stop_strings(before):
                 return
         if self.num_output_tokens >= self.max_tokens:
             self._finish("length", None)
@@ -239,11 +256,12 @@ class Request:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=list(self.prompt_token_ids),
+            prompt_token_ids=self.sent_prompt_token_ids,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
             outputs=[completion],
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
+            num_healed_tokens=int(self.healed_token_id is not None),
         )
 

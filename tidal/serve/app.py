@@ -82,6 +82,7 @@ class ServerConfig:
     ui: bool = True  # the chat page at / and /chat (--no-ui turns it off)
     tokens_as_ids: bool = False  # --return-tokens-as-token-ids: every request's logprobs name "token_id:N"
     force_include_usage: bool = False  # --enable-force-include-usage: every stream has usage on every chunk
+    token_healing: bool = True  # /v1/completions text prompts, unless the request says (--no-token-healing)
     default_reasoning_effort: str = DEFAULT_EFFORT  # chat completions' effort when a request names none
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     stats_interval: float = 0.0  # seconds between periodic stats lines (0: none)
@@ -498,6 +499,7 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
                 text = st.tokenizer.decode(ids)
             prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
             params = body.sampling_params(body.max_tokens, body.logprobs, defaults, prompt_logprobs=prompt_lp)
+            params.token_healing = isinstance(p, str) and body.heal(config.token_healing)
             await st.constrain(params, constraint, "structured_outputs")
             for r in sample_requests(f"{cid}-{i}", ids, params, prompt=text):
                 requests.append(r)

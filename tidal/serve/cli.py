@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="every stream carries usage on every chunk, as if it asked for include_usage and "
                         "continuous_usage_stats")
+    p.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
+                   help="token healing of /v1/completions text prompts (a request's token_healing field wins)")
     p.add_argument("--no-ui", dest="ui", action="store_false", help="do not serve the chat page at / and /chat")
     p.add_argument("--default-reasoning-effort", default=None, choices=sorted(REQUEST_EFFORTS),
                    help="thinking effort of chat requests that name none (default: the model's own, from "
@@ -223,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         max_request_bytes=args.max_request_bytes, generation_defaults=generation_defaults(model_dir),
         reasoning_alias=args.reasoning_alias, ui=args.ui, tokens_as_ids=args.return_tokens_as_token_ids,
         force_include_usage=args.enable_force_include_usage,
+        token_healing=args.token_healing,
         default_reasoning_effort=(request_effort(args.default_reasoning_effort) if args.default_reasoning_effort
                                   else model_default_effort(model_dir)),
         image_limits=ImageLimits(max_images=args.limit_mm_per_prompt, max_pixels=args.max_image_pixels,

@@ -291,6 +291,14 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # Token healing of text prompts (transformers' name); None: the server's --token-healing.
+    token_healing: bool | None = None
+
+    def heal(self, server_default: bool) -> bool:
+        """Whether text prompts are token-healed: never under an output constraint (its grammar
+        starts where the prompt ends)."""
+        wanted = server_default if self.token_healing is None else self.token_healing
+        return wanted and self.content_constraint() is None
 
     def check_supported(self) -> None:
         super().check_supported()
