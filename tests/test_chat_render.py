@@ -214,3 +214,40 @@ def test_chooser_and_stop_tokens(tmp_path):
     assert isinstance(fmt, K2Format) and fmt.think_tokens
     assert fmt.default_system == KIMI_LINEAR_DEFAULT_SYSTEM
     assert fmt.stop_token_ids(K2Tok()) == [5, 6]
+
+
+CONTINUED = [{"role": "user", "content": "Write f."}, {"role": "assistant", "content": "def f(x):", "reasoning_content": "easy"}]
+
+
+@pytest.mark.parametrize("fmt, thinking", [(K3Format(), "high"), (K3Format(), "off"), (K2Format(), "high"),
+                                           (K2Format(), "off")])
+def test_continue_final_message_stops_right_after_its_content(fmt, thinking):
+    """As transformers defines it: the full render of the conversation, cut right after the final
+    message's content; the tool-choice instruction still comes before the continued message."""
+    full = fmt.render(CONTINUED, thinking=thinking, add_generation_prompt=False).text
+    cut = fmt.render(CONTINUED, thinking=thinking, add_generation_prompt=False, continue_final_message=True)
+    assert cut.text == full[:full.rindex("def f(x):") + len("def f(x):")]
+    assert not cut.thinking
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with_choice = fmt.render(CONTINUED, thinking=thinking, tools=TOOLS, tool_choice=named,
+                             add_generation_prompt=False, continue_final_message=True).text
+    opener = '<|open|>message role="assistant"' if isinstance(fmt, K3Format) else "<|im_assistant|>"
+    continued = cut.text[cut.text.rindex(opener):]
+    assert with_choice.endswith(continued)  # the continued message is last, after the instruction
+    assert "MUST call the tool `get_weather`" in with_choice[:-len(continued)]
+
+
+def test_k3_continue_inside_the_reasoning():
+    msgs = [CONTINUED[0], {"role": "assistant", "content": "", "reasoning_content": "First,"}]
+    cut = K3Format().render(msgs, thinking="high", add_generation_prompt=False, continue_final_message=True)
+    assert cut.text.endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>First,')
+    assert cut.thinking  # the reply starts in the reasoning channel
+
+
+@pytest.mark.parametrize("fmt", [K3Format(), K2Format()])
+def test_continue_final_message_needs_a_plain_assistant_message_last(fmt):
+    with pytest.raises(ValueError, match="must be the assistant's, not 'user'"):
+        fmt.render(CONTINUED[:1], continue_final_message=True, add_generation_prompt=False)
+    call = {**CONTINUED[1], "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}
+    with pytest.raises(ValueError, match="tool_calls"):
+        fmt.render([CONTINUED[0], call], continue_final_message=True, add_generation_prompt=False)

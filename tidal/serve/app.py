@@ -138,8 +138,8 @@ class ServerState:
             raise bad_request(str(e), param) from e
 
     async def render(self, messages: list[dict[str, Any]], *, level: str, tools: Any = None, tool_choice: Any = None,
-                     response_format: Any = None, add_generation_prompt: bool = True
-                     ) -> tuple[RenderedPrompt, list[int]]:
+                     response_format: Any = None, add_generation_prompt: bool = True,
+                     continue_final_message: bool = False) -> tuple[RenderedPrompt, list[int]]:
         """(prompt, token ids) of a conversation at thinking ``level``; malformed messages are 400s.
         Images are loaded and placed here (``prompt.image_items``; bad images are 400s naming
         the problem). Runs on a worker thread: a long agent context must not stall the other
@@ -148,7 +148,8 @@ class ServerState:
 
         def work() -> tuple[RenderedPrompt, list[int]]:
             prompt = fmt.render(messages, tools=tools, tool_choice=tool_choice, response_format=response_format,
-                                thinking=level, add_generation_prompt=add_generation_prompt)
+                                thinking=level, add_generation_prompt=add_generation_prompt,
+                                continue_final_message=continue_final_message)
             ids, prompt.image_items = encode_with_images(prompt, self.tokenizer, self.engine.model_config.vision,
                                                          self.config.image_limits)
             return prompt, ids
@@ -221,6 +222,12 @@ class ServerState:
             raise APIError(503, str(e), retry_after=QUEUE_FULL_RETRY_AFTER_S) from e
         except ValueError as e:
             raise bad_request(str(e)) from e
+
+
+def widest(*counts: int | None) -> int | None:
+    """The most alternatives any of ``counts`` asks for (-1: the whole vocabulary; None: none)."""
+    given = [c for c in counts if c is not None]
+    return None if not given else -1 if -1 in given else max(given)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -424,9 +431,11 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
             raise bad_request("give exactly one of prompt or messages")
         if body.messages is not None:
             level = st.chat_effort(body.reasoning_effort, body.chat_template_kwargs)
+            proto.check_continuation(body.continue_final_message, body.add_generation_prompt)
             _, ids = await st.render([m.model_dump(exclude_none=True) for m in body.messages], level=level,
                                      tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
-                                     add_generation_prompt=body.add_generation_prompt)
+                                     add_generation_prompt=body.add_generation_prompt,
+                                     continue_final_message=body.continue_final_message)
         else:
             ids = await st.encode(body.prompt)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids}
@@ -453,8 +462,12 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
         level = st.chat_effort(body.reasoning_effort, body.chat_template_kwargs, body.thinking)
         prompt, ids = await st.render(body.message_dicts(), level=level, tools=body.tool_dicts(),
                                       tool_choice=body.tool_choice, response_format=body.response_format,
-                                      add_generation_prompt=body.add_generation_prompt)
-        params = body.sampling_params(body.max_output_tokens, body.num_logprobs, defaults, skip_special_tokens=False)
+                                      add_generation_prompt=body.add_generation_prompt,
+                                      continue_final_message=body.continue_final_message)
+        params = body.sampling_params(body.max_output_tokens, body.num_logprobs, defaults, skip_special_tokens=False,
+                                      prompt_logprobs=body.prompt_logprobs)
+        # A continued message ends in its own text: heal it like a completion's text prompt.
+        params.token_healing = body.continue_final_message and body.heal(config.token_healing)
         params.stop_token_ids = [*params.stop_token_ids, *st.chat_stop_ids(params.ignore_eos)]
         spec = st.reply_constraint(prompt, tools=body.tool_dicts(), tool_choice=body.tool_choice,
                                    content=body.content_constraint(), explicit=body.explicit_constraint() is not None,
@@ -471,6 +484,7 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
             token_bytes=getattr(st.tokenizer, "token_bytes", None),
             tokens_as_ids=bool(body.return_tokens_as_token_ids or config.tokens_as_ids),
             prompt_token_ids=ids if body.return_token_ids else None,
+            num_prompt_logprobs=body.prompt_logprobs,
         )
         return stream, {r.request_id: oai.ChatAccumulator(st.chat.parser(prompt.thinking), opts, i)
                         for i, r in enumerate(samples)}
@@ -497,7 +511,7 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
                 ids, text = p, None
             if body.echo and text is None and st.tokenizer is not None:
                 text = st.tokenizer.decode(ids)
-            prompt_lp = body.logprobs if body.echo and body.logprobs is not None else None
+            prompt_lp = widest(body.logprobs if body.echo else None, body.prompt_logprobs)
             params = body.sampling_params(body.max_tokens, body.logprobs, defaults, prompt_logprobs=prompt_lp)
             params.token_healing = isinstance(p, str) and body.heal(config.token_healing)
             await st.constrain(params, constraint, "structured_outputs")
@@ -512,7 +526,7 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
             include_usage=body.include_usage or (body.stream and config.force_include_usage),
             continuous_usage=body.continuous_usage or (body.stream and config.force_include_usage), n=body.n,
             tokens_as_ids=bool(body.return_tokens_as_token_ids or config.tokens_as_ids),
-            return_token_ids=bool(body.return_token_ids),
+            return_token_ids=bool(body.return_token_ids), num_prompt_logprobs=body.prompt_logprobs,
         )
         piece = ((lambda t: st.tokenizer.decode([t])) if st.tokenizer is not None and not opts.tokens_as_ids
                  else (lambda t: f"token_id:{t}"))

@@ -103,6 +103,21 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob] |
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def prompt_logprobs_body(entries: list[dict[int, Logprob] | None], k: int) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (the first has none) its own entry and the ``k``
+    likeliest (-1: all) as ``{token_id: {logprob, rank, decoded_token}}``."""
+    out: list[dict[str, Any] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        target, *rest = entry.items()
+        keep = [target] + [(t, lp) for t, lp in rest if k == -1 or (lp.rank is not None and lp.rank <= k)]
+        out.append({str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                    for t, lp in keep})
+    return out
+
+
 def chat_chunk(rid: str, created: int, model: str, delta: dict[str, Any] | None, *,
                finish_reason: str | None = None, stop_reason: int | str | None = None,
                logprobs: dict[str, Any] | None = None, usage_: dict[str, Any] | None = None,
@@ -161,6 +176,7 @@ class ChatOptions:
     token_bytes: Callable[[int], bytes] | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids
     prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: echoed, with each reply's ids
+    num_prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (non-streaming only)
 
 
 class ChatAccumulator:
@@ -183,6 +199,7 @@ class ChatAccumulator:
         self.all_logprobs: list[dict[str, Any]] = []
         self.token_ids: list[int] = []
         self._new_ids: list[int] = []  # token ids since the last delta went out
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def step(self, d: TokenDelta) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         """(delta, logprobs) for this engine delta."""
@@ -190,6 +207,8 @@ class ChatAccumulator:
         self.cached_tokens = d.num_cached_tokens
         self.token_ids += d.token_ids
         self._new_ids += d.token_ids
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
         if self.parser.in_reasoning:
             self.reasoning_tokens += len(d.token_ids)
         events = self.parser.feed(d.text) if d.text else []
@@ -327,6 +346,8 @@ def chat_response(deltas: list[TokenDelta], accs: dict[str, ChatAccumulator]) ->
         body["prompt_token_ids"] = o.prompt_token_ids
         for c, acc in zip(body["choices"], choices):
             c["token_ids"] = acc.token_ids
+    if o.num_prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_body(choices[0].prompt_logprobs or [], o.num_prompt_logprobs)
     return body
 
 
@@ -346,6 +367,7 @@ class CompletionOptions:
     n: int = 1  # samples per prompt: choice i is sample i % n of prompt i // n
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and token_ids on each choice
+    num_prompt_logprobs: int | None = None  # vLLM's prompt_logprobs on each choice (non-streaming only)
 
 
 class CompletionAccumulator:
@@ -366,6 +388,7 @@ class CompletionAccumulator:
         self._lp_ids: list[list[int]] = [[] for _ in range(n)]
         self._lp_entries: list[list] = [[] for _ in range(n)]
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.prompt_logprobs: list[list | None] = [None] * n
 
     def step(self, d: TokenDelta) -> tuple[int, str | None, dict[str, Any] | None]:
         """(choice index, text or None when this token completed none, logprobs)."""
@@ -373,6 +396,8 @@ class CompletionAccumulator:
         self.token_ids[i] += d.token_ids
         self.prompt_tokens[i], self.completion_tokens[i] = d.num_prompt_tokens, d.num_output_tokens
         self.cached_tokens[i] = d.num_cached_tokens
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs[i] = d.prompt_logprobs
         text = d.text
         if not self.started[i]:
             self.started[i] = True
@@ -435,5 +460,8 @@ def completion_response(deltas: list[TokenDelta], acc: CompletionAccumulator) ->
     if o.return_token_ids:
         for i, c in enumerate(choices):
             c["prompt_token_ids"], c["token_ids"] = o.prompt_ids[i], acc.token_ids[i]
+    if o.num_prompt_logprobs is not None:
+        for i, c in enumerate(choices):
+            c["prompt_logprobs"] = prompt_logprobs_body(acc.prompt_logprobs[i] or [], o.num_prompt_logprobs)
     return {"id": o.id, "object": "text_completion", "created": o.created, "model": o.model,
             "choices": choices, "usage": acc.usage()}

@@ -94,6 +94,10 @@ class _SamplingFields(_Model):
     user: str | None = None
     return_token_ids: bool | None = None  # vLLM: token ids of prompt and reply beside the text
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprobs name tokens "token_id:N"
+    prompt_logprobs: int | None = Field(None, ge=-1)  # vLLM: top alternatives per prompt token (-1: all)
+    # Token healing (transformers' name) of prompts that end in text: /v1/completions text prompts
+    # and a chat's continue_final_message. None: the server's --token-healing.
+    token_healing: bool | None = None
     # Constrained output: OpenAI's response_format, vLLM's structured_outputs and older guided_*
     # fields, SGLang's regex / ebnf / json_schema. At most one of them.
     response_format: dict[str, Any] | None = None
@@ -108,6 +112,12 @@ class _SamplingFields(_Model):
 
     def check_supported(self) -> None:
         pass
+
+    def heal(self, server_default: bool) -> bool:
+        """Whether a prompt ending in text is token-healed: never under an output constraint (its
+        grammar starts where the prompt ends)."""
+        wanted = server_default if self.token_healing is None else self.token_healing
+        return wanted and self.content_constraint() is None
 
     def explicit_constraint(self) -> StructuredOutputsParams | None:
         """The grammar asked for by vLLM's or SGLang's fields (not response_format)."""
@@ -158,6 +168,8 @@ class _SamplingFields(_Model):
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:
@@ -243,9 +255,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         self.check_stream_options()
         self.check_tool_choice()
-        if self.continue_final_message:
-            raise bad_request("continue_final_message is not supported by the Kimi chat formats",
-                              "continue_final_message")
+        check_continuation(self.continue_final_message, self.add_generation_prompt)
 
     def check_tool_choice(self) -> None:
         """``tool_choice`` must be satisfiable by ``tools`` (what it makes the model do is the
@@ -284,6 +294,14 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """vLLM's rule: a continued final message has no generation prompt after it."""
+    if continue_final_message and add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true (the continued "
+                          "message takes the generation prompt's place): send add_generation_prompt: false",
+                          "continue_final_message")
+
+
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
@@ -291,14 +309,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    # Token healing of text prompts (transformers' name); None: the server's --token-healing.
-    token_healing: bool | None = None
-
-    def heal(self, server_default: bool) -> bool:
-        """Whether text prompts are token-healed: never under an output constraint (its grammar
-        starts where the prompt ends)."""
-        wanted = server_default if self.token_healing is None else self.token_healing
-        return wanted and self.content_constraint() is None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -329,6 +339,7 @@ class TokenizeRequest(_Model):
     tools: list[Tool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False

@@ -21,6 +21,7 @@ from tidal.serve.chat.messages import (
     call_name,
     content_parts,
     content_text,
+    final_to_continue,
     reasoning_of,
     role_of,
 )
@@ -71,6 +72,17 @@ def _arguments_text(call: dict[str, Any]) -> str:
     return json.dumps(args or {}, ensure_ascii=False)
 
 
+def _assistant_head(w: _Writer, msg: Message, thinking: bool) -> None:
+    """An assistant turn up to the end of its content (reasoning replayed when thinking is on)."""
+    w.header(IM_ASSISTANT, msg.get("name") or "assistant")
+    reasoning = reasoning_of(msg)
+    if thinking and reasoning.strip():
+        w.marker(THINK_OPEN)
+        w.out.add_text(reasoning)
+        w.marker(THINK_CLOSE)
+    w.out.add_text(content_text(msg.get("content")))
+
+
 def render_k2(
     messages: list[Message],
     opts: RenderOptions,
@@ -80,8 +92,13 @@ def render_k2(
     """The K2 prompt. Thinking (only an on/off switch here): earlier reasoning is replayed as
     ``<think>…</think>`` before the content; with thinking off a tokenizer that has ``<think>``
     gets an empty ``<think></think>`` after the generation prompt, so the model answers directly.
-    ``tool_choice`` and ``response_format`` become a system turn before the generation prompt."""
+    ``tool_choice`` and ``response_format`` become a system turn before the generation prompt.
+    ``continue_final_message``: the last (assistant) turn is left open after its content; its
+    reasoning, if any, is written closed (K2 replies cannot be continued inside ``<think>``)."""
     on = normalize_effort(opts.thinking) != "off"
+    final = final_to_continue(messages) if opts.continue_final_message else None
+    if final is not None:
+        messages = messages[:-1]
     w = _Writer(think_tokens)
     if opts.tools:
         w.turn(IM_SYSTEM, "tool_declare", json.dumps(opts.tools, separators=(",", ":"), ensure_ascii=False))
@@ -94,13 +111,7 @@ def render_k2(
         if role in ("system", "user"):
             w.turn(_ROLE_TOKEN[role], msg.get("name") or role, content_parts(msg.get("content")))
         elif role == "assistant":
-            w.header(IM_ASSISTANT, msg.get("name") or "assistant")
-            reasoning = reasoning_of(msg)
-            if on and reasoning.strip():
-                w.marker(THINK_OPEN)
-                w.out.add_text(reasoning)
-                w.marker(THINK_CLOSE)
-            w.out.add_text(content_text(msg.get("content")))
+            _assistant_head(w, msg, on)
             calls = msg.get("tool_calls") or []
             if calls:
                 w.marker(SECTION_BEGIN)
@@ -125,7 +136,9 @@ def render_k2(
     for text in (tool_choice_instruction(opts.tool_choice), response_format_instruction(opts.response_format)):
         if text:
             w.turn(IM_SYSTEM, "system", text)
-    if opts.add_generation_prompt:
+    if final is not None:
+        _assistant_head(w, final, on)
+    elif opts.add_generation_prompt:
         w.header(IM_ASSISTANT, "assistant")
         if not on and think_tokens:
             w.marker(THINK_OPEN)

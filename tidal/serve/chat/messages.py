@@ -60,6 +60,18 @@ def content_parts(content: Any) -> list[str | dict[str, Any]]:
     return out
 
 
+def final_to_continue(messages: list[Message]) -> Message:
+    """The assistant message that ``continue_final_message`` leaves open (the reply continues its
+    text); ValueError when the last message cannot be continued."""
+    last = messages[-1] if messages else {}
+    if role_of(last) != "assistant":
+        raise ValueError(f"continue_final_message continues the last message, which must be the assistant's, "
+                         f"not {last.get('role')!r}")
+    if last.get("tool_calls"):
+        raise ValueError("continue_final_message cannot continue an assistant message with tool_calls")
+    return last
+
+
 def role_of(msg: Message) -> str:
     """The message role; ``developer`` is the newer name for ``system``."""
     role = msg.get("role")

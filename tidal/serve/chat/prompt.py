@@ -23,13 +23,16 @@ class SegmentTokenizer(Protocol):
 @dataclass
 class RenderOptions:
     """Everything about a chat request besides its messages that shapes the prompt. ``thinking``
-    is an effort: off/low/high/max (default max); any other value is a ValueError."""
+    is an effort: off/low/high/max (default max); any other value is a ValueError.
+    ``continue_final_message`` (vLLM's): the last message, the assistant's, is left open so the
+    reply continues its text (instead of a generation prompt opening a new one)."""
 
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     thinking: str | bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True)

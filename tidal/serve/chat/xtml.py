@@ -20,6 +20,7 @@ from tidal.serve.chat.messages import (
     call_arguments,
     call_name,
     content_parts,
+    final_to_continue,
     reasoning_of,
     role_of,
 )
@@ -129,6 +130,23 @@ def _assistant(w: XtmlWriter, msg: Message, thinking: bool) -> None:
     w.out.add_special(END_OF_MSG)
 
 
+def _open_assistant(w: XtmlWriter, msg: Message, thinking: bool) -> None:
+    """The final assistant message left open (continue_final_message): in its response channel
+    after its content, or in its think channel when it has reasoning but no content yet."""
+    w.open("message", _named("assistant", msg))
+    content = content_parts(msg.get("content"))
+    if thinking:
+        reasoning = reasoning_of(msg)
+        w.open("think")
+        w.out.add_text(reasoning if reasoning.strip() else "")
+        if content == [""]:
+            w.out.thinking = True
+            return
+        w.close("think")
+    w.open("response")
+    w.out.add_content(content, IMAGE_PLACEHOLDER)
+
+
 def _tool_results(w: XtmlWriter, run: list[Message], prev: Message | None) -> None:
     """A run of tool messages: in the order of the preceding assistant's calls when every result
     names one of its call ids, else in their own order."""
@@ -153,6 +171,9 @@ def render_xtml(messages: list[Message], opts: RenderOptions) -> RenderedPrompt:
     effort = normalize_effort(opts.thinking)
     on = effort != "off"
     w = XtmlWriter()
+    final = final_to_continue(messages) if opts.continue_final_message else None
+    if final is not None:
+        messages = messages[:-1]
     if opts.tools:
         w.message([("role", "system"), ("type", "tool-declare")], TOOLS_HEADER + fenced_json(opts.tools))
     if on:
@@ -189,7 +210,9 @@ def render_xtml(messages: list[Message], opts: RenderOptions) -> RenderedPrompt:
     fmt = response_format_instruction(opts.response_format)
     if fmt:
         w.message([("role", "system"), ("type", "response-format")], fmt)
-    if opts.add_generation_prompt:
+    if final is not None:
+        _open_assistant(w, final, on)
+    elif opts.add_generation_prompt:
         w.open("message", [("role", "assistant")])
         w.open("think" if on else "response")
         w.out.thinking = on
