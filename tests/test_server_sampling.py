@@ -72,7 +72,7 @@ def test_completions_heal_text_prompts_and_report_the_prompt_as_sent(oai, tok):
     unsplit = tok.decode(ids[:-1])
     kw = {"model": MODEL, "max_tokens": 10, "temperature": 0}
     healed = oai.completions.create(prompt=cut, **kw)
-    whole = oai.completions.create(prompt=unsplit, **{**kw, "max_tokens": 11})  # + the regenerated "\n"
+    whole = oai.completions.create(prompt=unsplit, **kw)
     assert cut + healed.choices[0].text == unsplit + whole.choices[0].text
     assert (healed.usage.prompt_tokens, healed.usage.completion_tokens) == (len(ids), 10)  # the prompt as sent
     off = oai.completions.create(prompt=cut, extra_body={"token_healing": False}, **kw)
@@ -85,5 +85,6 @@ def test_completions_heal_text_prompts_and_report_the_prompt_as_sent(oai, tok):
     assert echo.choices[0].text == cut + healed.choices[0].text
     lp, lp_off = echo.choices[0].logprobs, echo_off.choices[0].logprobs
     assert lp.tokens[:len(ids)] == lp_off.tokens[:len(ids)] == [tok.decode([t]) for t in ids]
-    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[0] is None and "".join(lp.tokens) == echo.choices[0].text
+    assert len(lp.tokens) == len(ids) + 10 and lp.tokens[len(ids)] == "   "  # "\n   " past the prompt's "\n"
     assert lp.token_logprobs[1:len(ids)] == pytest.approx(lp_off.token_logprobs[1:len(ids)], abs=1e-4)

@@ -148,3 +148,18 @@ def test_anthropic_tool_choice_any_and_tool(claude):
     with pytest.raises(anthropic.BadRequestError):
         claude.messages.create(model=MODEL, max_tokens=5, messages=ASK, tools=tools,
                                tool_choice={"type": "tool", "name": "nope"})
+
+
+def test_tool_choice_auto_calls_only_declared_tools_with_valid_arguments(oai):
+    """auto is enforced by the reply grammar too: the model may answer or call, but only a
+    declared tool, with arguments per its schema (the embedded model, sampled, otherwise calls
+    tools it saw in training with arguments that do not fit)."""
+    only_search = [TOOLS[1]]
+    names = []
+    for seed in range(3):
+        r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=only_search, tool_choice="auto",
+                                        **{**SAMPLED, "seed": seed})
+        for choice in r.choices:
+            names += check_calls(choice, {"search"})
+            assert "<|" not in (choice.message.content or "")
+    assert names  # the samples did call

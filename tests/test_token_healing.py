@@ -49,15 +49,16 @@ def test_healed_prompt_gives_what_the_unsplit_prompt_gives(llm, cut):
     ids = tok.encode(cut)
     unsplit = tok.decode(ids[:-1])  # the prompt ending at the last boundary the tokenizer made
     assert healing_split(ids, llm.engine.token_trie()) == ids[-1]
-    # The healed run regenerates the cut token, then max_tokens more.
-    whole = unsplit + run(llm, unsplit, max_tokens=GREEDY["max_tokens"] + 1).outputs[0].text
+    whole = unsplit + run(llm, unsplit).outputs[0].text
     healed = run(llm, cut, token_healing=True)
     plain = run(llm, cut).outputs[0].text
     assert whole.startswith(cut)
     assert cut + healed.outputs[0].text == whole
     assert cut + plain != whole  # without healing the boundary derails the continuation
     out = healed.outputs[0]
-    assert tok.decode(out.token_ids).startswith(tok.decode(ids[-1:]))  # it regenerated the cut token
+    # Here the first token runs past the cut (the indent, the rest of the word): it is the first
+    # completion token, and what it shows past the prompt is its text.
+    assert tok.decode(out.token_ids).startswith(tok.decode(ids[-1:])) and len(out.token_ids) == GREEDY["max_tokens"]
     assert healed.prompt_token_ids == ids  # the prompt as sent
 
 
@@ -80,17 +81,22 @@ def test_stop_strings_and_max_tokens_count_from_the_prompt_end(llm):
     stopped = run(llm, cut, token_healing=True, max_tokens=30, stop=["\n"]).outputs[0]
     assert stopped.finish_reason == "stop" and stopped.text == whole[:whole.index("\n")]
     one = run(llm, cut, token_healing=True, max_tokens=1).outputs[0]
-    assert len(one.token_ids) == 2 and one.text == whole[:len(one.text)]  # the regenerated token + 1
+    assert len(one.token_ids) == 1 and one.text == "   "  # "\n   ", less the prompt's "\n"
 
 
-def test_sampled_outputs_start_with_the_healed_bytes(llm):
+@pytest.mark.parametrize("cut", ["The quick bro", "xyz", "def f(x):\n"])
+def test_sampled_outputs_continue_the_prompt_and_their_logprobs_spell_the_text(llm, cut):
+    """Tokens that only re-spell the prompt's end are no completion tokens; the first that runs
+    past it is, named by what it shows past the prompt; so the tokens spell the text."""
     tok = llm.engine.tokenizer
-    cut = "The quick bro"
     ids = tok.encode(cut)
     for seed in range(4):
-        out = run(llm, cut, token_healing=True, temperature=1.0, seed=seed, max_tokens=6).outputs[0]
-        sent = b"".join(tok.token_bytes(t) for t in ids[:-1] + out.token_ids)
-        assert sent.startswith(cut.encode()) and sent.decode() == cut + out.text
+        out = run(llm, cut, token_healing=True, temperature=1.0, seed=seed, max_tokens=6, logprobs=0).outputs[0]
+        assert len(out.token_ids) == len(out.logprobs) == 6
+        assert "".join(e[t].decoded_token for t, e in zip(out.token_ids, out.logprobs)) == out.text
+        respelled = tok.decode(ids[-1:])
+        first = tok.decode(out.token_ids[:1])
+        assert first.startswith(respelled) or not respelled.startswith(first)  # never contradicts the cut
 
 
 def test_nothing_to_heal(llm):
@@ -142,9 +148,13 @@ def test_tiny_merge_tokenizer_heals_to_the_masked_argmax(tmp_path):
     starts_l = [t for t in range(tok.vocab_size) if t not in tok.special_ids and tok.token_bytes(t).startswith(b"l")]
     want = max(starts_l, key=lambda t: dist[t].logprob)
     out = healed.outputs[0]
-    assert out.token_ids[0] == want
-    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)[1:]
     assert healed.prompt_token_ids == ids
+    if tok.token_bytes(want) == b"l":  # it re-spelled the prompt: from there on, the plain run
+        plain = llm.generate([cut], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0]
+        assert (out.token_ids, out.text) == (plain.token_ids, plain.text)
+    else:
+        assert out.token_ids[0] == want
+        assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)[1:]
 
 
 def test_tiny_byte_tokenizer_has_nothing_to_heal(tmp_path):

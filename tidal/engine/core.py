@@ -352,7 +352,7 @@ class EngineCore:
             prompt_token_ids=ids,
             params=params,
             eos_token_ids=self.eos_token_ids,
-            max_tokens=max_tokens + (healed is not None),  # the regenerated token is the prompt's
+            max_tokens=max_tokens + (healed is not None),  # room to re-spell the left-out token
             prompt=prompt,
             generator=generator,
             detokenizer=detok,
@@ -448,8 +448,8 @@ class EngineCore:
             if self.scheduler.has_unfinished():  # a scheduler bug, never a capacity limit
                 raise RuntimeError("the scheduler scheduled nothing while requests wait")
             return []
-        for req in batch.new_requests:
-            self._metrics.prompt_tokens += req.num_prompt_tokens
+        for req in batch.new_requests:  # as sent: a healed prompt's left-out token is counted
+            self._metrics.prompt_tokens += len(req.sent_prompt_token_ids)
         logits = self.runner.execute(batch)
         self._metrics.num_steps += 1
         for b, (positions, lg) in logits.prompt.items():
@@ -486,8 +486,17 @@ class EngineCore:
 
     def _append(self, req: Request, res, now: float) -> None:
         """Record one sampled token of ``req`` (logprobs, constraint, stop checks, metrics)."""
+        piece = None
+        if isinstance(req.constraint, PrefixConstraint):  # token healing: what shows past the prompt
+            past = req.constraint.past(res.token_id)
+            if past is None:  # counted as the prompt's token it re-spells
+                req.num_healing_tokens += 1
+                self._metrics.generation_tokens -= 1
+            else:
+                piece = past.decode("utf-8", errors="replace")
         if req.logprobs is not None:
-            entry = {res.token_id: Logprob(res.logprob, res.rank, self._piece(res.token_id))}
+            entry = {res.token_id: Logprob(res.logprob, res.rank, self._piece(res.token_id) if piece is None
+                                           else piece)}
             for i, (tok, lp) in enumerate(res.top):
                 entry.setdefault(tok, Logprob(lp, i + 1, self._piece(tok)))
             req.logprobs.append(entry)

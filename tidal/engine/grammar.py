@@ -283,6 +283,12 @@ class PrefixConstraint:
     def fill(self, words: torch.Tensor) -> None:
         _set_bits(words, self.trie.allowed(self.remaining))
 
+    def past(self, token_id: int) -> bytes | None:
+        """The bytes of ``token_id`` beyond the prefix still to spell; None when it lies wholly
+        inside it (it only re-spells the prompt)."""
+        b = self.tokenizer.token_bytes(token_id)
+        return None if self.remaining.startswith(b) else b[len(self.remaining):]
+
     def accept(self, token_id: int) -> None:
         b = self.tokenizer.token_bytes(token_id)
         self.remaining = self.remaining[len(b):] if self.remaining.startswith(b) else b""

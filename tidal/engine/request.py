@@ -60,9 +60,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
-    # Token healing: 1 when the prompt's last token (in prompt_token_ids, as sent) was left out
-    # and regenerated as part of the output; usage counts it as prompt, not completion.
-    num_healed_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,7 +122,10 @@ class Request:
     images: list[ImageItem] = field(default_factory=list)
     # Token healing: the prompt's last token as sent, left out of ``prompt_token_ids`` (which the
     # engine runs) and regenerated under a PrefixConstraint; outputs report the prompt as sent.
+    # The first generated tokens that lie wholly inside its bytes only re-spell the prompt: they
+    # are not completion tokens (outputs, usage, max_tokens and min_tokens leave them out).
     healed_token_id: int | None = None
+    num_healing_tokens: int = 0
     _prompt_key: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -146,6 +146,11 @@ class Request:
         return [*self.prompt_token_ids, *healed]
 
     @property
+    def params_max_tokens(self) -> int:
+        """The completion tokens asked for (``max_tokens`` less a healed prompt's extra token)."""
+        return self.max_tokens - (self.healed_token_id is not None)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
@@ -155,8 +160,8 @@ class Request:
 
     @property
     def num_completion_tokens(self) -> int:
-        """Output tokens past the prompt as sent (a healed prompt's regenerated token is prompt)."""
-        return max(0, self.num_output_tokens - (self.healed_token_id is not None))
+        """Output tokens past the prompt as sent (not those re-spelling a healed prompt's end)."""
+        return self.num_output_tokens - self.num_healing_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -216,7 +221,7 @@ class Request:
             self.text = self.detokenizer.text
             if p.stop_strings and self.num_completion_tokens > p.min_tokens and self._check_stop_strings(before):
                 return
-        if self.num_output_tokens >= self.max_tokens:
+        if self.num_output_tokens >= self.max_tokens or self.num_completion_tokens >= self.params_max_tokens:
             self._finish("length", None)
 
     def _check_stop_strings(self, before: int) -> bool:
@@ -247,9 +252,9 @@ class Request:
         completion = CompletionOutput(
             index=0,
             text=self.text,
-            token_ids=self.output_token_ids,
+            token_ids=self.output_token_ids[self.num_healing_tokens:],
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            logprobs=self.logprobs[self.num_healing_tokens:] if self.logprobs is not None else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
@@ -262,6 +267,5 @@ class Request:
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
-            num_healed_tokens=int(self.healed_token_id is not None),
         )
 

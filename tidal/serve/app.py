@@ -192,8 +192,6 @@ class ServerState:
                 raise bad_request(f"structured outputs in chat are supported for the kimi_k3 format, not "
                                   f"{self.chat.name if self.chat else 'none'}; use /v1/completions")
             return None
-        if content is None and tool_choice in (None, "auto"):
-            return None  # auto: the model's own tool calls, unconstrained
         try:
             grammar = reply_grammar(thinking=prompt.thinking, tools=tools, tool_choice=tool_choice, content=content,
                                     parallel_tool_calls=parallel_tool_calls)

@@ -345,7 +345,7 @@ class EngineClient:
             text=tr.text_delta(comp.text, out.finished),
             logprobs=comp.logprobs[tr.num_tokens:] if comp.logprobs is not None else None,
             num_prompt_tokens=len(out.prompt_token_ids),
-            num_output_tokens=max(0, len(comp.token_ids) - out.num_healed_tokens),
+            num_output_tokens=len(comp.token_ids),
             finished=out.finished,
             finish_reason=comp.finish_reason,
             stop_reason=comp.stop_reason,
