@@ -167,3 +167,18 @@ def test_tiny_byte_tokenizer_has_nothing_to_heal(tmp_path):
     assert healing_split(tok.encode(prompt), llm.engine.token_trie()) is None
     a, b = (llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, token_healing=h))[0] for h in (0, 1))
     assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.prompt_token_ids == b.prompt_token_ids
+
+
+def test_tiny_respelling_byte_by_byte_still_gives_max_tokens(tmp_path):
+    """A left-out token re-spelled one byte at a time (forced by logit_bias): those tokens are no
+    completion tokens, and max_tokens completion tokens still follow."""
+    make_tiktoken_dir(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    llm = tiny_llm(tok)
+    cut = "say hello"
+    assert tok.token_bytes(tok.encode(cut)[-1]) == b"hello"
+    bias = {tok.encode(c)[0]: 100.0 for c in "helo"}  # the single-byte tokens
+    out = llm.generate([cut], SamplingParams(temperature=0, max_tokens=3, token_healing=True, logit_bias=bias,
+                                             logprobs=0))[0].outputs[0]
+    assert len(out.token_ids) == 3 and set(out.token_ids) <= set(bias) and out.finish_reason == "length"
+    assert out.text == tok.decode(out.token_ids) and len(out.logprobs) == 3

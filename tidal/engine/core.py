@@ -340,6 +340,9 @@ class EngineCore:
                 (*stops, *params.stop_token_ids))
         elif params.token_healing and heal and self.tokenizer is not None:
             healed = healing_split(ids, self.token_trie())
+            # Re-spelling the left-out token takes up to one token per byte: heal where that fits.
+            if healed is not None and total + len(self.tokenizer.token_bytes(healed)) - 1 > self.max_request_len:
+                healed = None
             if healed is not None:
                 ids = ids[:-1]
                 constraint = PrefixConstraint(self.token_trie(), self.tokenizer, self.tokenizer.token_bytes(healed))
@@ -352,7 +355,7 @@ class EngineCore:
             prompt_token_ids=ids,
             params=params,
             eos_token_ids=self.eos_token_ids,
-            max_tokens=max_tokens + (healed is not None),  # room to re-spell the left-out token
+            max_tokens=max_tokens,
             prompt=prompt,
             generator=generator,
             detokenizer=detok,

@@ -99,7 +99,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
-    max_tokens: int  # params.max_tokens, or what the context limit leaves (+1 for a healed prompt)
+    max_tokens: int  # completion tokens: params.max_tokens, or what the context limit leaves
     prompt: str | None = None
     generator: torch.Generator | None = None
     detokenizer: Detokenizer | None = None
@@ -144,11 +144,6 @@ class Request:
         """The prompt as the client sent it (before token healing backed it off)."""
         healed = [] if self.healed_token_id is None else [self.healed_token_id]
         return [*self.prompt_token_ids, *healed]
-
-    @property
-    def params_max_tokens(self) -> int:
-        """The completion tokens asked for (``max_tokens`` less a healed prompt's extra token)."""
-        return self.max_tokens - (self.healed_token_id is not None)
 
     @property
     def num_tokens(self) -> int:
@@ -221,7 +216,7 @@ class Request:
             self.text = self.detokenizer.text
             if p.stop_strings and self.num_completion_tokens > p.min_tokens and self._check_stop_strings(before):
                 return
-        if self.num_output_tokens >= self.max_tokens or self.num_completion_tokens >= self.params_max_tokens:
+        if self.num_completion_tokens >= self.max_tokens:
             self._finish("length", None)
 
     def _check_stop_strings(self, before: int) -> bool:
