@@ -25,8 +25,8 @@ from tidal.parallel.shard import build_rank_model, copy_shards  # noqa: E402
 from tidal.plan.weights import weight_breakdown  # noqa: E402
 
 # (checkpoint, tp, ep, dcp)
-ENGINE_LAYOUTS = [("k3", 2, 1, 1), ("k3", 2, 2, 1), ("kl", 2, 2, 1)]
-DCP_LAYOUTS = [("k3", 2, 1, 2), ("k3", 4, 1, 2), ("kl", 4, 2, 4)]
+ENGINE_LAYOUTS = [("k3", 2, 1, 1), ("k3", 2, 2, 1), ("k3", 2, 1, 2), ("k3", 4, 1, 2), ("kl", 2, 2, 1), ("kl", 2, 1, 2)]
+DCP_LAYOUTS = [("k3", 2, 1, 2), ("kl", 4, 2, 4)]
 ALL = sorted({lay for lay in ENGINE_LAYOUTS + DCP_LAYOUTS})
 
 
@@ -96,6 +96,8 @@ def test_engine_on_ranks_equals_tp1(ckpts, ranks) -> None:
             # the planner's per-rank pool: what the rank allocated, its KDA state 1/tp of TP 1's
             assert got["pool_buffer_bytes"] == got["num_blocks"] * got["block_bytes"], where
             assert got["state_bytes"] * tp == refs[kind]["state_bytes"], where
+            # DCP: a page id stands for dcp x the tokens a rank stores of it
+            assert got["stored_page_size"] * dcp == got["logical_page_size"] == pr.PAGE * dcp, where
 
 
 def test_dcp_forward_on_ranks_equals_tp1(ckpts, ranks) -> None:

@@ -92,18 +92,24 @@ class MemoryPool:
         layout: PoolLayout,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        dcp_rank: int = 0,
     ) -> None:
-        if layout.dcp_size != 1:
-            raise ValueError(f"the engine pool supports dcp_size=1, the layout has {layout.dcp_size}")
+        if not 0 <= dcp_rank < layout.dcp_size:
+            raise ValueError(f"dcp_rank {dcp_rank} is not in 0..{layout.dcp_size - 1}")
         if dtype == torch.float64 or compute_dtype(dtype) != torch.float32:
             raise ValueError(f"the pool stores KDA states in float32 and latents in 16/32-bit dtypes, not {dtype}")
         self.config, self.layout, self.dtype = config, layout, dtype
         self.device = torch.device(device)
-        self.page_size, self.pages_per_block = layout.page_size, layout.pages_per_block
+        # With DCP a page id stands for dcp_size x layout.page_size logical tokens, and this rank
+        # stores the layout.page_size of them with position % dcp_size == dcp_rank: page_size (what
+        # the scheduler and the prefix cache count) is logical, stored_page_size is rows per page.
+        self.dcp_rank, self.dcp_size = dcp_rank, layout.dcp_size
+        self.stored_page_size = layout.page_size
+        self.page_size, self.pages_per_block = layout.page_size * layout.dcp_size, layout.pages_per_block
         self.num_blocks, self.block_bytes = layout.num_blocks, layout.block_bytes
         es = torch.empty(0, dtype=dtype).element_size()
         self._row_bytes = config.mla_cache_width * es
-        page_bytes = config.num_mla_layers * self.page_size * self._row_bytes
+        page_bytes = config.num_mla_layers * self.stored_page_size * self._row_bytes
         if page_bytes != layout.page_bytes or self.pages_per_block * page_bytes > self.block_bytes:
             raise ValueError(
                 f"layout page_bytes {layout.page_bytes} / block_bytes {self.block_bytes} do not match a "
@@ -116,7 +122,7 @@ class MemoryPool:
         # Typed views of the same bytes: gathers and scatters of whole float rows run several times
         # faster than on bytes.
         typed, f32 = self.buffer.view(dtype), self.buffer.view(torch.float32)
-        L, ppb, ps = config.num_mla_layers, self.pages_per_block, self.page_size
+        L, ppb, ps = config.num_mla_layers, self.pages_per_block, self.stored_page_size
         self._pages = typed[:, : ppb * page_bytes // es].unflatten(1, (ppb, L, ps, config.mla_cache_width))
         self._conv_shape = config.kda_conv_state_shape
         self._rec_shape = config.kda_recurrent_state_shape
@@ -462,29 +468,37 @@ class PoolCacheView:
     ) -> None:
         self.pool = pool
         dev, ps, ppb = pool.device, pool.page_size, pool.pages_per_block
+        n, r = pool.dcp_size, pool.dcp_rank  # this rank stores logical tokens t with t % n == r
         self.state_slots = [pool.state_block(o) for o in owners]
-        wb, ws, wp = [], [], []
+        wb, ws, wp, rows = [], [], [], []
         self._tables: list[list[int]] = []
-        self._lengths: list[int] = []
+        self._lengths: list[int] = []  # rows stored on this rank
+        start = 0
         for owner, q, c in zip(owners, query_lens, cached_lens):
             table = pool.page_table(owner)
             total = c + q
             if len(table) * ps < total:
                 raise ValueError(f"owner {owner!r} holds {len(table)} pages, too few for {total} tokens")
-            for t in range(c, total):
+            for t in range(c + (r - c) % n, total, n):
                 page = table[t // ps]
                 wb.append(page // ppb)
                 ws.append(page % ppb)
-                wp.append(t % ps)
+                wp.append(t % ps // n)
+                rows.append(start + t - c)
+            start += q
             self._tables.append(table[: pool.pages_for(total)])
-            self._lengths.append(total)
+            self._lengths.append(max(0, -(-(total - r) // n)))
         self._write = tuple(torch.tensor(x, dtype=torch.long, device=dev) for x in (wb, ws, wp))
+        # which of the step's latents this rank stores (None: all of them)
+        self._write_rows = torch.tensor(rows, dtype=torch.long, device=dev) if n > 1 else None
         self._reads: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def kda_storage(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.pool.state_storage(kda_layer)
 
     def mla_write(self, mla_layer: int, latents: torch.Tensor) -> None:
+        if self._write_rows is not None:
+            latents = latents.index_select(0, self._write_rows)
         self.pool.write_latents(mla_layer, *self._write, latents)
 
     def mla_read(self, mla_layer: int, seq: int) -> torch.Tensor:

@@ -140,12 +140,17 @@ class EngineCore:
         # With the block swap a verifying request holds 1 + k state blocks (and k tokens of KV) for the
         # step: the plan's capacities count them (tidal.plan.layout.PoolLayout.state_blocks_per_request).
         spec_tokens = spec.num_draft_tokens if spec is not None and spec.rollback == "swap" else 0
+        # A tensor-parallel rank's model (tidal.parallel.shard) carries its place and the full config:
+        # the plan is the planner's per-rank one, the pool this rank's share.
+        place = getattr(model, "parallel", None)
+        par = dict(tp_size=place.tp_size, ep_size=place.ep_size, dcp_size=place.dcp_size) if place else {}
         self.plan: Plan = plan_for_pool(
-            self.model_config, pool_bytes, model_bytes(model), page_size=config.page_size, dtype=self.dtype,
-            spec_draft_tokens=spec_tokens, device=str(self.device),
+            getattr(model, "full_config", self.model_config), pool_bytes, model_bytes(model),
+            page_size=config.page_size, dtype=self.dtype, spec_draft_tokens=spec_tokens, device=str(self.device), **par,
         )
         self.layout: PoolLayout = self.plan.layout
-        self.pool = MemoryPool(self.model_config, self.layout, self.dtype, self.device)
+        self.pool = MemoryPool(self.model_config, self.layout, self.dtype, self.device,
+                               dcp_rank=place.dcp_rank if place else 0)
         self.prefix_cache: PrefixCache | None = None
         if config.enable_prefix_caching:
             interval = config.prefix_snapshot_interval
