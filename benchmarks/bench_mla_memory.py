@@ -47,7 +47,7 @@ def peak_rss_bytes() -> int:
 
 
 def run_one(context: int, chunk: int, kernel: str) -> dict:
-    from tidal.cache.pool import PoolCacheView
+    from tidal.cache.storage import PoolCacheView
     from tidal.engine.core import EngineConfig, EngineCore
     from tidal.model.context import ForwardBatch
     from tidal.model.init import init_weights
@@ -63,13 +63,19 @@ def run_one(context: int, chunk: int, kernel: str) -> dict:
                                             enable_prefix_caching=False))
     pool, total = engine.pool, context + chunk
     assert pool.alloc_state("r") and pool.reserve("r", total)
-    past = PoolCacheView(pool, ["r"], [context], [0])
+    engine.worker.storage.apply(pool.take_copies())
+
+    def cache_view(query_len: int, cached_len: int) -> PoolCacheView:
+        return PoolCacheView(engine.worker.storage, [pool.state_block("r")], [pool.page_table("r")], [query_len],
+                             [cached_len])
+
+    past = cache_view(context, 0)
     for layer in range(config.num_mla_layers):
         past.mla_write(layer, torch.randn(context, config.mla_cache_width) * 0.1)
     ids = torch.randint(0, config.vocab_size, (chunk,), generator=torch.Generator().manual_seed(1))
 
     def run_chunk() -> float:
-        view = PoolCacheView(pool, ["r"], [chunk], [context])
+        view = cache_view(chunk, context)
         t0 = time.perf_counter()
         with torch.inference_mode():
             model(ids, ForwardBatch(query_lens=[chunk], cached_lens=[context], cache=view))

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from tidal.cache.pool import MemoryPool, PoolCacheView
+from tidal.cache.pool import MemoryPool
 from tidal.config import ModelConfig
 from tidal.engine.core import EngineConfig, EngineCore
 from tidal.engine.cuda_graph import DecodeGraphs
@@ -305,7 +305,7 @@ def slice_decode(model: KimiForCausalLM, dense_bytes: int, device: str, batches:
                          kv_dtype_bytes=model.dtype.itemsize, conv_dtype_bytes=model.dtype.itemsize)
     pool = MemoryPool(cfg, layout, model.dtype, device)
     model.process_weights_after_loading()
-    graphs = DecodeGraphs(model, pool, max(batches), context + 8) if device != "cpu" else None
+    graphs = DecodeGraphs(model, pool.storage, max(batches), context + 8) if device != "cpu" else None
     if graphs is not None:
         graphs.capture_all()
     expert = next(m for m in model.modules() if isinstance(m, PackedExperts))
@@ -322,14 +322,15 @@ def slice_decode(model: KimiForCausalLM, dense_bytes: int, device: str, batches:
         cached = [context] * B
 
         def eager() -> None:
-            cache = PoolCacheView(pool, owners, [1] * B, cached)
+            cache = pool.cache_view(owners, [1] * B, cached)
             with torch.inference_mode():
                 model(torch.tensor(ids, device=device), ForwardBatch([1] * B, cached, cache))
 
         row: dict[str, Any] = {"batch": B, "context": context}
         row["eager_ms"] = timed(eager, device, iters) * 1e3
         if graphs is not None:
-            row["graph_ms"] = timed(lambda: graphs.run(owners, ids, cached), device, iters) * 1e3
+            tables, slots = [pool.page_table(o) for o in owners], [pool.state_block(o) for o in owners]
+            row["graph_ms"] = timed(lambda: graphs.run(tables, slots, ids, cached), device, iters) * 1e3
             row["graph_speedup"] = row["eager_ms"] / row["graph_ms"]
         active = E * (1 - (1 - k / E) ** B)  # expected distinct experts of B tokens routed to k of E each
         moe_layers = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
@@ -355,7 +356,7 @@ def slice_prefill(model: KimiForCausalLM, device: str, tokens: int, iters: int) 
     ids = torch.randint(0, cfg.vocab_size, (tokens,), device=device)
 
     def run() -> None:
-        cache = PoolCacheView(pool, ["p"], [tokens], [0])
+        cache = pool.cache_view(["p"], [tokens], [0])
         with torch.inference_mode():
             model(ids, ForwardBatch([tokens], [0], cache))
 

@@ -88,8 +88,8 @@ def run_workload(model: KimiForCausalLM, config: ModelConfig, place: RankPlace) 
     out["state_bytes"], out["page_bytes"] = engine.layout.state_bytes, engine.layout.page_bytes
     out["num_blocks"], out["pages_per_block"] = engine.layout.num_blocks, engine.layout.pages_per_block
     out["max_context_len"] = engine.layout.max_context_len()
-    out["stored_page_size"], out["logical_page_size"] = engine.pool.stored_page_size, engine.pool.page_size
-    out["pool_buffer_bytes"], out["block_bytes"] = engine.pool.buffer.numel(), engine.layout.block_bytes
+    out["stored_page_size"], out["logical_page_size"] = engine.worker.storage.stored_page_size, engine.pool.page_size
+    out["pool_buffer_bytes"], out["block_bytes"] = engine.worker.storage.buffer.numel(), engine.layout.block_bytes
     return out
 
 

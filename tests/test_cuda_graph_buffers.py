@@ -4,7 +4,7 @@ rows inert. (Capture and replay need a GPU: scripts/gpu_check.sh.)"""
 
 import torch
 
-from tidal.cache.pool import MemoryPool, PoolCacheView
+from tidal.cache.pool import MemoryPool
 from tidal.engine.cuda_graph import GraphCacheView, batch_buckets
 from tidal.plan import pool_layout
 from tidal.presets import tiny_k3
@@ -23,9 +23,9 @@ def test_graph_buffers_match_the_eager_view():
     owners, cached = ["a", "b", "c"], [0, 9, 4]
     for o, c in zip(owners, cached):
         assert pool.alloc_state(o) and pool.reserve(o, c + 1)
-    view = GraphCacheView(pool, size=8, max_pages=6)
-    view.fill(owners, cached)
-    eager = PoolCacheView(pool, owners, [1] * 3, cached)
+    view = GraphCacheView(pool.storage, size=8, max_pages=6)
+    view.fill([pool.page_table(o) for o in owners], [pool.state_block(o) for o in owners], cached)
+    eager = pool.cache_view(owners, [1] * 3, cached)
     _, table, lengths = eager.mla_pages(0, [0, 1, 2])
     assert torch.equal(view.lengths[:3], lengths) and (view.lengths[3:] == 0).all()
     for b in range(3):

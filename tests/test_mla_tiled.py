@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidal.cache.pool import MemoryPool, PoolCacheView
+from tidal.cache.pool import MemoryPool
 from tidal.model.context import ForwardBatch, SimpleCache, simple_batch
 from tidal.model.init import init_weights
 from tidal.model.kimi import KimiForCausalLM
@@ -96,7 +96,7 @@ def test_model_over_pool_pages_equals_naive_reference(monkeypatch):
     got, want = [], []
     with torch.inference_mode():
         for c0, c1 in ((0, 70), (70, 150)):
-            view = PoolCacheView(pool, ["r"], [c1 - c0], [c0])
+            view = pool.cache_view(["r"], [c1 - c0], [c0])
             got.append(model.compute_logits(model(ids[c0:c1], ForwardBatch([c1 - c0], [c0], view))))
             want.append(model.compute_logits(model(ids[c0:c1], simple_batch(config, [c1 - c0], ref_cache, [c0]))))
     torch.testing.assert_close(torch.cat(got), torch.cat(want), rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from tidal.cache.pool import FREE, KV, STATE, MemoryPool, PoolCacheView
+from tidal.cache.pool import FREE, KV, STATE, MemoryPool
 from tidal.model.context import ForwardBatch, SimpleCache, simple_batch
 from tidal.model.init import init_weights
 from tidal.model.kimi import KimiForCausalLM
@@ -168,7 +168,7 @@ def test_pool_cache_matches_simple_cache(dtype):
                 pool.free("x")
             else:
                 pool.reserve("x", 2)
-            view = PoolCacheView(pool, ["a", "b"], q, c)
+            view = pool.cache_view(["a", "b"], q, c)
             got = model.compute_logits(model(ids, ForwardBatch(q, c, view)))
             want = model.compute_logits(model(ids, simple_batch(config, q, ref, c)))
             # equal up to rounding: the pool's decode reads its pages in place (C kernel on the CPU)
@@ -265,7 +265,7 @@ def test_decode_on_scattered_state_blocks_matches_simple_cache():
             ids = torch.cat([t[cc : cc + qq] for t, qq, cc in zip(tokens, q, c)])
             for o, qq, cc in zip(owners, q, c):
                 assert pool.reserve(o, qq + cc)
-            view = PoolCacheView(pool, owners, q, c)
+            view = pool.cache_view(owners, q, c)
             batch = ForwardBatch(q, c, view)
             got = model.compute_logits(model(ids, batch))
             want = model.compute_logits(model(ids, simple_batch(config, q, ref, c)))

@@ -130,10 +130,14 @@ def test_greedy_equal_with_random_accept_lengths(model):
 
 
 def kda_states(engine: EngineCore, rid: str) -> list[torch.Tensor]:
+    """``rid``'s KDA state bytes in the in-process worker, once the copies the books recorded
+    since the last step (a replay commit among them) are applied, as the next plan would."""
     block = engine.pool.state_block(rid)
+    storage = engine.worker.storage
+    storage.apply(engine.pool.take_copies())
     out = []
     for layer in range(engine.model_config.num_kda_layers):
-        conv, rec = engine.pool.state_storage(layer)
+        conv, rec = storage.state_storage(layer)
         out += [conv[block].clone(), rec[block].clone()]
     return out
 

@@ -1,5 +1,5 @@
 """Prefix cache for a hybrid model: a radix tree over token ids whose nodes hold MLA KV pages and,
-at chosen depths, snapshots of the KDA state -- all inside the one :class:`MemoryPool`.
+at chosen depths, snapshots of the KDA state -- all inside the one :class:`PoolAllocator`.
 
 Why snapshots: MLA layers cache every token, so any prefix of a cached sequence is reusable, but
 KDA layers keep only a running state. A hit can therefore resume only at a depth where the state
@@ -38,7 +38,7 @@ import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from tidal.cache.pool import CacheOwner, MemoryPool
+from tidal.cache.allocator import CacheOwner, PoolAllocator
 
 
 class Node(CacheOwner):
@@ -90,7 +90,7 @@ def common_len(edge: list[int], tokens: list[int], pos: int, limit: int) -> int:
 class PrefixCache:
     """The radix tree over one pool; it is the pool's evictor."""
 
-    def __init__(self, pool: MemoryPool, snapshot_interval: int) -> None:
+    def __init__(self, pool: PoolAllocator, snapshot_interval: int) -> None:
         if snapshot_interval < 0:
             raise ValueError(f"snapshot_interval must be >= 0 (0: only at prompt and request ends), "
                              f"got {snapshot_interval}")

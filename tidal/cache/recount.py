@@ -4,10 +4,10 @@ Run after a failed step; any finding means the pool can no longer be trusted."""
 
 from __future__ import annotations
 
-from tidal.cache.pool import FREE, KV, STATE, MemoryPool
+from tidal.cache.allocator import FREE, KV, STATE, PoolAllocator
 
 
-def recount(pool: MemoryPool, prefix_cache=None) -> list[str]:
+def recount(pool: PoolAllocator, prefix_cache=None) -> list[str]:
     """What does not add up (empty: consistent)."""
     problems: list[str] = []
     ppb = pool.pages_per_block

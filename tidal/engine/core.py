@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tidal.cache.pool import MemoryPool
+from tidal.cache.allocator import PoolAllocator
 from tidal.cache.prefix import PrefixCache
 from tidal.detokenizer import Detokenizer
 from tidal.engine.grammar import GrammarCompiler, PrefixConstraint, TokenTrie, healing_split
@@ -28,7 +28,8 @@ from tidal.engine.request import (
     RequestOutput,
     RequestTooLongError,
 )
-from tidal.engine.runner import ModelRunner, StepLogits
+from tidal.engine.plan import StepLogits, StepPlan, plan_step
+from tidal.engine.worker import Worker
 from tidal.engine.sampler import SampleRow, prompt_logprobs, sample
 from tidal.engine.scheduler import ScheduledBatch, Scheduler
 from tidal.model.kimi import KimiForCausalLM
@@ -149,8 +150,8 @@ class EngineCore:
             page_size=config.page_size, dtype=self.dtype, spec_draft_tokens=spec_tokens, device=str(self.device), **par,
         )
         self.layout: PoolLayout = self.plan.layout
-        self.pool = MemoryPool(self.model_config, self.layout, self.dtype, self.device,
-                               dcp_rank=place.dcp_rank if place else 0)
+        # The books here, the bytes in the worker: each step plan carries the copies between them.
+        self.pool = PoolAllocator(self.layout)
         self.prefix_cache: PrefixCache | None = None
         if config.enable_prefix_caching:
             interval = config.prefix_snapshot_interval
@@ -165,13 +166,16 @@ class EngineCore:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if config.enable_deterministic_inference:
             batch_invariant.check_available(self.device, self.dtype)
-        self.runner = ModelRunner(model, self.pool, self.encoder_cache,
-                                  cuda_graph=not config.disable_cuda_graph, cuda_graph_max_bs=config.cuda_graph_max_bs,
-                                  max_context=min(self.max_model_len, self.layout.max_context_len()),
-                                  deterministic=config.enable_deterministic_inference)
+        self.worker = Worker(model, self.layout, self.encoder_cache,
+                             cuda_graph=not config.disable_cuda_graph, cuda_graph_max_bs=config.cuda_graph_max_bs,
+                             max_context=min(self.max_model_len, self.layout.max_context_len()),
+                             deterministic=config.enable_deterministic_inference,
+                             dcp_rank=place.dcp_rank if place else 0)
+        self.num_plans = 0
+        self.plan_recorder: list[StepPlan] | None = None  # set to a list to keep every plan (tests, replay)
         self.spec: SpecDecoder | None = None
         if config.speculative is not None:
-            self.spec = SpecDecoder(config.speculative, self.pool, self.model_config)
+            self.spec = SpecDecoder(config.speculative, self.pool, self.model_config, self.dtype, self.device)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None)
@@ -458,7 +462,11 @@ class EngineCore:
             return []
         for req in batch.new_requests:  # as sent: a healed prompt's left-out token is counted
             self._metrics.prompt_tokens += len(req.sent_prompt_token_ids)
-        logits = self.runner.execute(batch)
+        self.num_plans += 1
+        plan, rows = plan_step(self.num_plans, batch, self.pool)
+        if self.plan_recorder is not None:
+            self.plan_recorder.append(plan)
+        logits = rows.split(self.worker.execute(plan))
         self._metrics.num_steps += 1
         for b, (positions, lg) in logits.prompt.items():
             self._record_prompt_logprobs(batch.requests[b], positions, lg)
@@ -542,7 +550,7 @@ class EngineCore:
                 if req.finished:
                     break
             chains.append((req, batch.cached_lens[b], len(draft.tokens), accepted, appended))
-        self.spec.commit(logits.verify, chains)
+        self.spec.commit(chains)
         outputs = []
         for req, *_ in chains:
             self._finish_if_done(req, now)

@@ -10,11 +10,9 @@ that repeats row 0's (same target, same value). Prefill and mixed steps run eage
 
 from __future__ import annotations
 
-from typing import Hashable
-
 import torch
 
-from tidal.cache.pool import MemoryPool
+from tidal.cache.storage import PoolStorage
 from tidal.model.context import ForwardBatch
 from tidal.model.kimi import KimiForCausalLM
 
@@ -30,9 +28,9 @@ def batch_buckets(max_bs: int) -> list[int]:
 class GraphCacheView:
     """The SequenceCache of a captured decode step: the pool's storage, indexed by static buffers."""
 
-    def __init__(self, pool: MemoryPool, size: int, max_pages: int) -> None:
-        dev = pool.device
-        self.pool = pool
+    def __init__(self, storage: PoolStorage, size: int, max_pages: int) -> None:
+        dev = storage.device
+        self.storage = storage
         self.size = size
         self.state_slots = [-1] * size  # the device kernels read slots from ``slots``
         self.slots = torch.full((size,), -1, dtype=torch.int32, device=dev)
@@ -43,32 +41,33 @@ class GraphCacheView:
         self.write_src = torch.zeros(size, dtype=torch.long, device=dev)
 
     def kda_storage(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pool.state_storage(kda_layer)
+        return self.storage.state_storage(kda_layer)
 
     def mla_write(self, mla_layer: int, latents: torch.Tensor) -> None:
-        self.pool.write_latents(mla_layer, *self.write, latents.index_select(0, self.write_src))
+        self.storage.write_latents(mla_layer, *self.write, latents.index_select(0, self.write_src))
 
     def mla_pages(self, mla_layer: int, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.pool.latent_pages(mla_layer), self.table, self.lengths
+        return self.storage.latent_pages(mla_layer), self.table, self.lengths
 
-    def fill(self, owners: list[Hashable], cached_lens: list[int]) -> None:
-        """Point the buffers at this step's B <= size sequences (one host-to-device copy each)."""
-        pool, B, n = self.pool, len(owners), self.size
-        ps, ppb, width = pool.page_size, pool.pages_per_block, self.table.shape[1]
+    def fill(self, page_tables: list[list[int]], state_slots: list[int], cached_lens: list[int]) -> None:
+        """Point the buffers at this step's B <= size sequences (one host-to-device copy each):
+        their pages for cached_len + 1 tokens and state slots, as a step plan has them."""
+        B, n = len(page_tables), self.size
+        ps, ppb, width = self.storage.page_size, self.storage.pages_per_block, self.table.shape[1]
         table = torch.zeros(n, width, dtype=torch.long)
         lengths = torch.zeros(n, dtype=torch.long)
         write = torch.zeros(3, n, dtype=torch.long)
-        for b, (owner, c) in enumerate(zip(owners, cached_lens)):
-            pages = pool.page_table(owner)[: pool.pages_for(c + 1)]
+        for b, (pages, c) in enumerate(zip(page_tables, cached_lens)):
+            pages = pages[: c // ps + 1]
             if len(pages) > width:
-                raise ValueError(f"{owner!r} holds {len(pages)} pages, the graphs were captured for {width}")
+                raise ValueError(f"sequence {b} holds {len(pages)} pages, the graphs were captured for {width}")
             table[b, : len(pages)] = torch.tensor(pages)
             lengths[b] = c + 1
             page = pages[c // ps]
             write[:, b] = torch.tensor([page // ppb, page % ppb, c % ps])
         write[:, B:] = write[:, :1]
         slots = torch.full((n,), -1, dtype=torch.int32)
-        slots[:B] = torch.tensor([pool.state_block(o) for o in owners], dtype=torch.int32)
+        slots[:B] = torch.tensor(state_slots, dtype=torch.int32)
         cu = torch.arange(n + 1).clamp_(max=B)
         src = torch.arange(n).masked_fill_(torch.arange(n) >= B, 0)
         for dst, value in ((self.table, table), (self.lengths, lengths), (self.write, write), (self.slots, slots),
@@ -77,38 +76,39 @@ class GraphCacheView:
 
 
 class DecodeGraphs:
-    """Decode graphs of one model and pool for every bucket, captured by :meth:`capture_all` while
-    the pool is still empty (the warm-up runs write one latent row into block 0)."""
+    """Decode graphs of one model and pool storage for every bucket, captured by :meth:`capture_all`
+    while the pool is still empty (the warm-up runs write one latent row into block 0)."""
 
-    def __init__(self, model: KimiForCausalLM, pool: MemoryPool, max_bs: int, max_context: int) -> None:
-        self.model, self.pool = model, pool
+    def __init__(self, model: KimiForCausalLM, storage: PoolStorage, max_bs: int, max_context: int) -> None:
+        self.model, self.storage = model, storage
         self.buckets = batch_buckets(max_bs)
         self.max_bs = self.buckets[-1]
-        self.max_pages = pool.pages_for(max_context)
+        self.max_pages = -(-max_context // storage.page_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, GraphCacheView, torch.Tensor, torch.Tensor]] = {}
         self._mempool = torch.cuda.graph_pool_handle()
 
     def bucket(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
 
-    def run(self, owners: list[Hashable], token_ids: list[int], cached_lens: list[int]) -> torch.Tensor:
-        """The decode step of ``owners`` (one new token each, in ``token_ids``) -> hidden [B, d]."""
-        size = self.bucket(len(owners))
+    def run(self, page_tables: list[list[int]], state_slots: list[int], token_ids: list[int],
+            cached_lens: list[int]) -> torch.Tensor:
+        """The decode step of B sequences (one new token each, in ``token_ids``) -> hidden [B, d]."""
+        size = self.bucket(len(token_ids))
         assert size is not None and size in self._graphs, "run() is for batches of at most max_bs sequences"
         graph, view, ids, hidden = self._graphs[size]
-        view.fill(owners, cached_lens)
+        view.fill(page_tables, state_slots, cached_lens)
         ids.copy_(torch.tensor(token_ids + [0] * (size - len(token_ids))), non_blocking=True)
         graph.replay()
-        return hidden[: len(owners)]
+        return hidden[: len(token_ids)]
 
     def capture_all(self) -> None:
         for size in sorted(self.buckets, reverse=True):  # the largest first: later ones reuse its memory
             self._graphs[size] = self._capture(size)
-        torch.cuda.synchronize(self.pool.device)
+        torch.cuda.synchronize(self.storage.device)
 
     def _capture(self, size: int) -> tuple[torch.cuda.CUDAGraph, GraphCacheView, torch.Tensor, torch.Tensor]:
-        dev = self.pool.device
-        view = GraphCacheView(self.pool, size, self.max_pages)  # all rows padded: the warm-up touches nothing
+        dev = self.storage.device
+        view = GraphCacheView(self.storage, size, self.max_pages)  # all rows padded: the warm-up touches nothing
         view.cu.zero_()
         ids = torch.zeros(size, dtype=torch.long, device=dev)
         batch = ForwardBatch(query_lens=[1] * size, cached_lens=[1] * size, cache=view)  # type: ignore[arg-type]

@@ -36,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.cache.pool import MemoryPool
+from tidal.cache.allocator import PoolAllocator
 from tidal.cache.prefix import PrefixCache, PrefixHit
 from tidal.engine.request import Request, RequestStatus
 
@@ -65,7 +65,7 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(
-        self, pool: MemoryPool, max_num_batched_tokens: int, prefix_cache: PrefixCache | None = None,
+        self, pool: PoolAllocator, max_num_batched_tokens: int, prefix_cache: PrefixCache | None = None,
         *, max_running_requests: int | None = None,
     ) -> None:
         if max_num_batched_tokens < 1:

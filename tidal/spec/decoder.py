@@ -4,7 +4,8 @@
    chains (the last committed token + up to k drafted tokens) where the drafter has a guess and
    the chain's extra memory is available now (free or evictable cache memory); a step of more than ``max_spec_batch`` sequences stays
    plain (it is compute-bound: a chain no longer costs about one decode).
-2. The runner runs chains with the decode numerics (:mod:`tidal.spec.verify`) beside the
+2. The step plan carries each chain's state slots (:meth:`ChainMemory.slots`); the worker's
+   runner runs chains with the decode numerics (:mod:`tidal.spec.verify`) beside the
    step's decodes and prefills, and returns every chain position's logits.
 3. :meth:`SpecDecoder.accept` picks each chain's committed tokens (:mod:`tidal.spec.accept`);
    the engine appends them one by one (stop tokens, stop strings and max_tokens end a request
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.cache.pool import MemoryPool
+from tidal.cache.allocator import PoolAllocator
 from tidal.config import ModelConfig
 from tidal.engine.request import Request
 from tidal.engine.sampler import SampleResult, SampleRow
@@ -26,31 +27,30 @@ from tidal.spec.config import SpeculativeConfig
 from tidal.spec.drafter import Draft, Drafter, NgramDrafter
 from tidal.spec.metrics import SpecMetrics
 from tidal.spec.rollback import ChainMemory
-from tidal.spec.verify import VerifyLayout
 
 
 RATE_WEIGHT = 0.5  # weight of the newest chain in a request's running acceptance
 PROBE_STEP = 0.02  # rate added per step a request backs off (about 10 steps from 0 to 0.25)
 
 
-def make_drafter(config: SpeculativeConfig, pool: MemoryPool, vocab_size: int) -> Drafter:
+def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype, device: torch.device) -> Drafter:
     if config.algorithm == "NGRAM":
         return NgramDrafter(config.ngram_max_match, config.ngram_min_match)
     if config.algorithm == "STANDALONE":
         from tidal.spec.standalone import StandaloneDrafter
 
         assert config.draft_model_path is not None
-        return StandaloneDrafter.from_path(config.draft_model_path, vocab_size, pool.dtype, pool.device)
+        return StandaloneDrafter.from_path(config.draft_model_path, vocab_size, dtype, device)
     raise ValueError(f"speculative_algorithm {config.algorithm} is not implemented")
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, pool: MemoryPool, model_config: ModelConfig,
-                 drafter: Drafter | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, pool: PoolAllocator, model_config: ModelConfig,
+                 dtype: torch.dtype, device: torch.device, drafter: Drafter | None = None) -> None:
         self.config = config
         self.pool = pool
         self.vocab_size = model_config.vocab_size
-        self.drafter = drafter if drafter is not None else make_drafter(config, pool, self.vocab_size)
+        self.drafter = drafter if drafter is not None else make_drafter(config, self.vocab_size, dtype, device)
         self.memory = ChainMemory(pool, model_config, config.rollback)
         self.metrics = SpecMetrics(config.num_draft_tokens)
         # request id -> running acceptance of its chains (1.0 until it has one); below
@@ -99,11 +99,11 @@ class SpecDecoder:
                           p.min_tokens)
         return accept_chain(logits, draft.tokens, draft.probs, rows)
 
-    def commit(self, layout: VerifyLayout, chains: list[tuple[Request, int, int, int, int]]) -> None:
+    def commit(self, chains: list[tuple[Request, int, int, int, int]]) -> None:
         """``chains``: (request, tokens it had computed before the step, drafts, drafts accepted,
         tokens it appended). Each request keeps the state after its last computed position and
         the pages of its tokens; the metrics count the chain."""
-        self.memory.commit(layout, {req.request_id: appended - 1 for req, _, _, _, appended in chains})
+        self.memory.commit({req.request_id: appended - 1 for req, _, _, _, appended in chains})
         for req, cached, drafted, accepted, appended in chains:
             req.num_computed_tokens = cached + appended
             self.pool.truncate(req.request_id, req.num_computed_tokens + 1)

@@ -4,11 +4,12 @@ A chain of m positions needs, beyond a plain decode, pages for its m-1 drafted t
 
 - "swap": m-1 state blocks, one per drafted position (position 0 updates the request's own
   block). Commit keeps the accepted position's block by exchanging it with the request's
-  (``MemoryPool.swap_states``: no copy), then frees the others.
+  (``PoolAllocator.swap_states``: books only, no copy), then frees the others.
 - "replay": a replay window, ceil(m / positions per block) blocks holding each position's KDA
   kernel inputs (pre-conv q|k|v, then q, k, v, g, beta) for every KDA layer in float32. The
-  request's block is the checkpoint; commit replays the accepted positions into it with the same
-  decode kernel (the conv window shifts in the stored rows), then frees the window.
+  request's block is the checkpoint; commit records a ``ReplayStates`` copy (the worker's
+  storage replays the accepted positions into it with the same decode kernel, the conv window
+  shifting in the stored rows, before the next step's model runs), then frees the window.
 
 Either way the memory is taken from free or evictable pool units (the prefix cache's LRU, as any
 allocation; never by preempting a request) and is held for one step: after the commit the request holds one state block
@@ -23,10 +24,10 @@ from typing import Hashable
 
 import torch
 
-from tidal.cache.pool import MemoryPool
+from tidal.cache.allocator import PoolAllocator, ReplayStates
+from tidal.cache.storage import PoolStorage
 from tidal.config import ModelConfig
 from tidal.ops.kda import kda_decode_step_
-from tidal.spec.verify import VerifyLayout
 
 SWAP, REPLAY = "swap", "replay"
 
@@ -65,9 +66,9 @@ def extra_blocks(config: ModelConfig, block_bytes: int, method: str, chain_len: 
 
 class ReplayWindow:
     """Float32 records in pool blocks: chain position j of batch position b lives in block
-    ``blocks[b][j // per_block]`` at record ``j % per_block``."""
+    ``blocks[b][j // per_block]`` at record ``j % per_block`` (views of the worker's storage)."""
 
-    def __init__(self, pool: MemoryPool, config: ModelConfig) -> None:
+    def __init__(self, pool: PoolStorage, config: ModelConfig) -> None:
         self.pool, self.config = pool, config
         self.fields = _fields(config)
         rec = replay_record_floats(config)
@@ -99,14 +100,14 @@ class ReplayWindow:
 class ChainMemory:
     """Allocates, lays out, commits and frees the extra memory of one step's chains."""
 
-    def __init__(self, pool: MemoryPool, config: ModelConfig, method: str) -> None:
+    def __init__(self, pool: PoolAllocator, config: ModelConfig, method: str) -> None:
         if method not in (SWAP, REPLAY):
             raise ValueError(f"rollback method must be {SWAP!r} or {REPLAY!r}, got {method!r}")
         self.pool, self.config, self.method = pool, config, method
         self._owners: dict[str, list[Hashable]] = {}  # request id -> its extra state owners
 
     def extra_blocks(self, chain_len: int) -> int:
-        return extra_blocks(self.config, self.pool.block_bytes, self.method, chain_len)
+        return extra_blocks(self.config, self.pool.layout.block_bytes, self.method, chain_len)
 
     def acquire(self, rid: str, cached: int, chain_len: int) -> bool:
         """Pages for the chain and its extra blocks, from free units or evictable cache memory;
@@ -125,54 +126,26 @@ class ChainMemory:
         self._owners[rid] = owners
         return True
 
-    def layout(self, seqs: list[int], rids: list[str]) -> VerifyLayout:
-        """The model's view of the chains at batch positions ``seqs`` (requests ``rids``)."""
+    def slots(self, rid: str) -> list[int]:
+        """What a step plan carries for ``rid``'s chain: the state slot of each chain position
+        ("swap": its own block, then the extra blocks) or its replay window blocks ("replay")."""
         pool = self.pool
-        layout = VerifyLayout(seqs=list(seqs), method=self.method, rids=dict(zip(seqs, rids)))
-        if self.method == SWAP:
-            for b, rid in zip(seqs, rids):
-                layout.slots[b] = [pool.state_block(rid)] + [pool.state_block(o) for o in self._owners[rid]]
-        else:
-            window = ReplayWindow(pool, self.config)
-            for b, rid in zip(seqs, rids):
-                window.blocks[b] = [pool.state_block(o) for o in self._owners[rid]]
-            layout.window = window
-        return layout
+        extra = [pool.state_block(o) for o in self._owners[rid]]
+        return [pool.state_block(rid), *extra] if self.method == SWAP else extra
 
-    def commit(self, layout: VerifyLayout, kept: dict[str, int]) -> None:
+    def commit(self, kept: dict[str, int]) -> None:
         """Leave each chain's request (by id) with the state after chain position ``kept[rid]``;
-        then free the chains' extra blocks."""
+        then free the chains' extra blocks. Books only: the replay is a recorded copy."""
         pool = self.pool
         if self.method == SWAP:
             for rid, j in kept.items():
                 if j > 0:
                     pool.swap_states(rid, self._owners[rid][j - 1])
-        else:
-            self._replay(layout, kept)
+        elif kept:
+            rids = list(kept)
+            pool.replay_states(rids, [self._owners[r] for r in rids], [kept[r] + 1 for r in rids])
         for rid in kept:
             self.release(rid)
-
-    def _replay(self, layout: VerifyLayout, kept: dict[str, int]) -> None:
-        window, pool = layout.window, self.pool
-        assert window is not None
-        dev = pool.device
-        upto = {b: kept[rid] for b, rid in layout.rids.items() if rid in kept}
-        if not upto:
-            return
-        for layer in range(self.config.num_kda_layers):
-            conv, rec = pool.state_storage(layer)
-            for j in range(max(upto.values()) + 1):
-                seqs = [b for b in layout.seqs if b in upto and upto[b] >= j]
-                if not seqs:
-                    continue
-                x = window.load(layer, seqs, j)
-                slots = torch.tensor([pool.state_block(layout.rids[b]) for b in seqs], dtype=torch.long, device=dev)
-                # causal_conv_step's new window: the old one shifted by the new pre-conv row.
-                old = conv[slots]
-                conv[slots] = torch.cat([old[:, 1:], x["qkv"].to(old.dtype).unsqueeze(1)], dim=1)
-                state = rec[slots]
-                kda_decode_step_(x["q"], x["k"], x["v"], x["g"], x["beta"], state)
-                rec[slots] = state
 
     def release(self, rid: str) -> None:
         """Free a request's extra blocks (after its commit, or when its step failed)."""
@@ -182,3 +155,23 @@ class ChainMemory:
     def release_all(self) -> None:
         for rid in list(self._owners):
             self.release(rid)
+
+
+def replay_states(storage: PoolStorage, config: ModelConfig, copy: ReplayStates) -> None:
+    """Apply a :class:`ReplayStates` copy: chain positions ``0 .. counts[i]-1`` of window
+    ``windows[i]`` stepped into state block ``slots[i]``, all chains batched per position."""
+    window = ReplayWindow(storage, config)
+    window.blocks = dict(enumerate(copy.windows))
+    dev = storage.device
+    for layer in range(config.num_kda_layers):
+        conv, rec = storage.state_storage(layer)
+        for j in range(max(copy.counts, default=0)):
+            seqs = [i for i, n in enumerate(copy.counts) if n > j]
+            x = window.load(layer, seqs, j)
+            slots = torch.tensor([copy.slots[i] for i in seqs], dtype=torch.long, device=dev)
+            # causal_conv_step's new window: the old one shifted by the new pre-conv row.
+            old = conv[slots]
+            conv[slots] = torch.cat([old[:, 1:], x["qkv"].to(old.dtype).unsqueeze(1)], dim=1)
+            state = rec[slots]
+            kda_decode_step_(x["q"], x["k"], x["v"], x["g"], x["beta"], state)
+            rec[slots] = state

@@ -35,7 +35,6 @@ class VerifyLayout:
 
     seqs: list[int]
     method: str
-    rids: dict[int, str] = field(default_factory=dict)  # batch position -> request id
     slots: dict[int, list[int]] = field(default_factory=dict)
     window: "ReplayWindow | None" = None
     _work: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
