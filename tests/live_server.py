@@ -48,7 +48,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*extra: str, timeout: float = 90.0) -> Server:
+def start_server(*extra: str, timeout: float = 180.0) -> Server:
     """Start ``tidal serve`` and wait until /health answers 200."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="tidal-serve-", suffix=".log")[1])
@@ -68,5 +68,6 @@ def start_server(*extra: str, timeout: float = 90.0) -> Server:
         except httpx.TransportError:
             pass
         time.sleep(0.2)
+    text = server.log_text()
     server.stop()
-    raise RuntimeError(f"tidal serve did not become healthy in {timeout} s:\n{server.log_text()}")
+    raise RuntimeError(f"tidal serve did not become healthy in {timeout} s:\n{text}")

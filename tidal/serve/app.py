@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI routes (chat, completions, models), Anthropic Messages, tokenizer and
 admin routes, over one :class:`EngineClient`.
 
-Every handler validates and tokenises, submits to the engine thread, then either streams SSE or
+Every handler validates and tokenises, submits to the engine core (its own process), then either streams SSE or
 collects the whole reply while watching for the client to go away; either way a request whose
 client leaves is aborted in the engine at once.
 """
@@ -21,7 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 import tidal
-from tidal.engine.core import EngineCore
+from tidal.config import ModelConfig
+from tidal.engine.grammar import GrammarCompiler
 from tidal.engine.request import QueueFullError, RequestTooLongError
 from tidal.multimodal import ImageLimits
 from tidal.serve import anthropic_api as anth
@@ -55,6 +56,7 @@ from tidal.serve.errors import (
 from tidal.serve.images import encode_with_images
 from tidal.serve.metrics import ServerMetrics
 from tidal.serve.stats_log import log_stats
+from tidal.serve.wire import EngineInfo
 from tidal.serve.ui import UI_PATHS, add_ui_routes
 
 logger = logging.getLogger("tidal.serve")
@@ -92,15 +94,28 @@ class ServerConfig:
 class ServerState:
     """The engine client, tokenizer, chat format and metrics one app serves with."""
 
-    def __init__(self, engine: EngineCore, config: ServerConfig) -> None:
-        self.engine = engine
+    def __init__(self, client: EngineClient, config: ServerConfig, tokenizer: Any, model_config: ModelConfig) -> None:
+        if client.info is None:
+            raise ValueError("start the engine core (EngineClient.start_core) before building the app")
+        self.client = client
+        self.engine: EngineInfo = client.info
         self.config = config
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = tokenizer
+        self.model_config = model_config
         self.chat: ChatFormat | None = (
-            chat_format_for(self.tokenizer, engine.model_config) if self.tokenizer is not None else None
+            chat_format_for(self.tokenizer, model_config) if self.tokenizer is not None else None
         )
         self.metrics = ServerMetrics(config.served_model_names[0], lambda: self.client.stats())
-        self.client = EngineClient(engine, on_finished=self.metrics.observe)
+        client.on_finished = self.metrics.observe
+        self._grammar: GrammarCompiler | None = None
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """A compiler like the core's, to refuse a bad grammar with a 400 before it is queued."""
+        if self._grammar is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer")
+            self._grammar = GrammarCompiler(self.tokenizer, self.engine.eos_token_ids, self.model_config.vocab_size)
+        return self._grammar
 
     @property
     def model_name(self) -> str:
@@ -150,7 +165,7 @@ class ServerState:
             prompt = fmt.render(messages, tools=tools, tool_choice=tool_choice, response_format=response_format,
                                 thinking=level, add_generation_prompt=add_generation_prompt,
                                 continue_final_message=continue_final_message)
-            ids, prompt.image_items = encode_with_images(prompt, self.tokenizer, self.engine.model_config.vision,
+            ids, prompt.image_items = encode_with_images(prompt, self.tokenizer, self.model_config.vision,
                                                          self.config.image_limits)
             return prompt, ids
 
@@ -171,12 +186,12 @@ class ServerState:
         return [t for t in self.chat.stop_token_ids(self.tokenizer) if t not in self.engine.eos_token_ids]
 
     async def constrain(self, params: SamplingParams, spec: StructuredOutputsParams | None, param: str) -> None:
-        """Compile ``spec`` on a worker thread (a complex schema takes a while; the engine thread
-        then only copies the cached result) and set it on ``params``; invalid ones are 400s."""
+        """Compile ``spec`` on a worker thread (a complex schema takes a while) to refuse an invalid
+        one with a 400 before it is queued, and set it on ``params``; the engine core compiles it too."""
         if spec is None:
             return
         try:
-            await asyncio.to_thread(self.engine.grammar_compiler().compile, spec)
+            await asyncio.to_thread(self.grammar_compiler().compile, spec)
         except ValueError as e:
             raise bad_request(str(e), param) from e
         params.structured_outputs = spec
@@ -337,11 +352,11 @@ async def _send_error(send: Any, err: APIError, path: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
-    """The app over ``engine``; the engine thread starts and stops with the app's lifespan. The
-    :class:`ServerState` is ``app.state.tidal`` (the CLI's signal handling reaches the client
+def create_app(client: EngineClient, config: ServerConfig, tokenizer: Any, model_config: ModelConfig) -> FastAPI:
+    """The app over a started engine core; the app's lifespan reads its frames, and stops it.
+    The :class:`ServerState` is ``app.state.tidal`` (the CLI's signal handling reaches the client
     through it)."""
-    st = ServerState(engine, config)
+    st = ServerState(client, config, tokenizer, model_config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -387,8 +402,9 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
         return {
             "version": tidal.__version__, "model_path": config.model_path,
             "served_model_name": st.model_name, "max_model_len": st.max_model_len,
-            "context_length": e.max_model_len, "max_num_batched_tokens": e.config.max_num_batched_tokens,
-            "page_size": e.layout.page_size, "dtype": str(e.dtype).removeprefix("torch."), "device": str(e.device),
+            "context_length": e.max_model_len, "max_num_batched_tokens": e.max_num_batched_tokens,
+            "page_size": e.layout.page_size, "dtype": e.dtype, "device": e.device,
+            "engine_core_pid": e.pid,
             "chat_format": st.chat.name if st.chat else None, "pool": dataclasses.asdict(e.layout),
             "engine": dataclasses.asdict(engine_metrics),
             "internal_states": [{"avg_spec_accept_length": engine_metrics.avg_spec_accept_length}], **config.info,
@@ -399,7 +415,7 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
         """SGLang's: drop the prefix cache once running requests have finished (bench clients
         call it between warmup and the measured run)."""
         try:
-            flushed = await st.client.call_when_idle(engine.flush_prefix_cache, timeout)
+            flushed = await st.client.flush_prefix_cache(timeout)
         except TimeoutError as e:
             raise bad_request(f"cache not flushed: {e}", "timeout") from e
         text = "Cache flushed.\n" if flushed else "Prefix caching is off: nothing to flush.\n"
@@ -446,7 +462,7 @@ def create_app(engine: EngineCore, config: ServerConfig) -> FastAPI:
         if body.model is not None:
             st.check_model(body.model)
         tok = st.need_tokenizer()
-        vocab = engine.model_config.vocab_size
+        vocab = model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})", "tokens")

@@ -1,7 +1,9 @@
 """``tidal serve``: the OpenAI- and Anthropic-compatible server (the embedded model by default).
 
-SIGTERM / SIGINT: in-flight requests end at once (streams with an error event), the engine thread
-stops, the process exits. A second SIGINT forces the exit.
+The engine runs in its own process (the engine core: scheduler, memory pool, model); this process
+serves HTTP. It listens once the core is ready. SIGTERM / SIGINT: in-flight requests end at once
+(streams with an error event), the core stops, the process exits. A second SIGINT forces the exit.
+A core that dies turns /health to 503 and fails open requests; it never outlives this process.
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ def log_summary(st: Any, url: str) -> None:
     e = st.engine
     lay = e.layout
     logger.info("serving %s (%s): %s on %s, chat format %s, default thinking effort %s",
-                st.model_name, st.config.model_path, str(e.dtype).removeprefix("torch."), e.device,
+                st.model_name, st.config.model_path, e.dtype, e.device,
                 st.chat.name if st.chat else "none", st.config.default_reasoning_effort)
     logger.info("memory pool %.2f GiB: %d KV tokens, %d requests of %d tokens at once (%d of 1 token); "
                 "longest request %d tokens", lay.pool_bytes / 2**30, lay.kv_tokens_per_rank,
@@ -181,42 +183,55 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     import torch
-    import uvicorn
 
-    from tidal.config import ConfigError
-    from tidal.embedded import embedded_model_dir
-    from tidal.llm import LLM
-    from tidal.multimodal import ImageLimits
-    from tidal.serve.app import ServerConfig, create_app
+    from tidal.serve.engine_client import EngineClient, EngineStartError
 
+    torch.set_num_threads(1)  # the cores are the engine core's; this process only frames HTTP
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    from tidal.embedded import embedded_model_dir
+
     model_dir = Path(args.model_dir) if args.model_dir else embedded_model_dir()
     try:  # the port first: a port in use is an error before minutes of loading, not after
         sock = socket.create_server((args.host, args.port), reuse_port=False)
     except OSError as e:
         print(f"tidal serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 2
+    llm_kwargs = dict(model=str(model_dir), dtype=dtype, device=device, quantization=args.quantization,
+                      kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_model_len=args.max_model_len,
+                      max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                      enable_prefix_caching=args.enable_prefix_caching,
+                      prefix_snapshot_interval=args.prefix_snapshot_interval,
+                      max_running_requests=args.max_running_requests, max_queued_requests=args.max_queued_requests,
+                      mem_fraction_static=args.mem_fraction_static, disable_cuda_graph=args.disable_cuda_graph,
+                      cuda_graph_max_bs=args.cuda_graph_max_bs, speculative_algorithm=args.speculative_algorithm,
+                      speculative_num_draft_tokens=args.speculative_num_draft_tokens,
+                      speculative_draft_model_path=args.speculative_draft_model_path,
+                      speculative_dspark_block_size=args.speculative_dspark_block_size,
+                      enable_linear_replayssm_spec=args.enable_linear_replayssm_spec,
+                      enable_deterministic_inference=args.enable_deterministic_inference)
+    client = EngineClient(llm_kwargs, log_level=args.log_level)
+    client.spawn_core()  # it loads the model while this process imports the app
+    from tidal.config import ConfigError
+
     try:
-        llm = LLM(model_dir, dtype=dtype, device=device, quantization=args.quantization,
-                  kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                  max_model_len=args.max_model_len,
-                  max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                  enable_prefix_caching=args.enable_prefix_caching,
-                  prefix_snapshot_interval=args.prefix_snapshot_interval,
-                  max_running_requests=args.max_running_requests, max_queued_requests=args.max_queued_requests,
-                  mem_fraction_static=args.mem_fraction_static, disable_cuda_graph=args.disable_cuda_graph,
-                  cuda_graph_max_bs=args.cuda_graph_max_bs, speculative_algorithm=args.speculative_algorithm,
-                  speculative_num_draft_tokens=args.speculative_num_draft_tokens,
-                  speculative_draft_model_path=args.speculative_draft_model_path,
-                  speculative_dspark_block_size=args.speculative_dspark_block_size,
-                  enable_linear_replayssm_spec=args.enable_linear_replayssm_spec,
-                  enable_deterministic_inference=args.enable_deterministic_inference)
-    except (ValueError, OSError, ConfigError) as e:
+        import uvicorn
+
+        from tidal.model.checkpoint import read_config
+        from tidal.multimodal import ImageLimits
+        from tidal.serve.app import ServerConfig, create_app
+        from tidal.tokenizer import load_tokenizer
+
+        model_config = read_config(model_dir)
+        tokenizer = load_tokenizer(model_dir)
+        client.wait_ready()
+    except (ValueError, OSError, ConfigError, EngineStartError) as e:
+        client.kill_core()
+        client.close()
         print(f"tidal serve: {e}", file=sys.stderr)
         return 2
     names = args.served_model_name or [args.model_dir or "tidal-embedded"]
@@ -234,9 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         stats_interval=args.stats_interval,
         info={"args": {k: v for k, v in vars(args).items() if k != "api_key"}},
     )
-    app = create_app(llm.engine, config)
+    app = create_app(client, config, tokenizer, model_config)
     log_summary(app.state.tidal, f"http://{args.host}:{args.port}")
-    client = app.state.tidal.client
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                access_log=args.access_log, timeout_graceful_shutdown=5)
     server = _make_server(uv_config, lambda: client.fail_all_threadsafe("the server is shutting down"))

@@ -1,31 +1,39 @@
-"""The engine on its own thread, and an asyncio face for the HTTP handlers.
+"""The engine in its own process, and an asyncio face for the HTTP handlers.
 
-The thread owns the :class:`EngineCore` outright: it takes add/abort commands from a queue,
-steps while anything is unfinished, and posts each step's per-request deltas to the event loop.
-Handlers only await queues, so a slow client never stalls a step (its deltas wait in its queue),
-and a step never blocks the HTTP loop (torch releases the GIL while it computes).
+:class:`EngineClient` starts the engine-core process (:mod:`tidal.serve.core_process`) and talks
+to it over ZeroMQ (frames of :mod:`tidal.serve.wire`): requests and aborts go out, each step's
+deltas come back in one frame and are put on the requests' queues. Handlers only await queues, so
+a slow client never stalls a step (its deltas wait in its queue), and the HTTP process never
+shares a GIL or a core with the model. A core that exits (killed, crashed) is seen within
+``WATCH_INTERVAL``: every open request ends with :class:`EngineError` and ``/health`` says 503.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import dataclasses
+import itertools
 import logging
-import queue
-import threading
+import multiprocessing
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.engine.core import EngineCore
-from tidal.engine.faults import StepFailedError
+import zmq
+import zmq.asyncio
+
 from tidal.engine.metrics import EngineMetrics
-from tidal.engine.request import ImageItem, Logprob, RequestOutput
+from tidal.engine.request import ImageItem, Logprob
 from tidal.sampling_params import SamplingParams
+from tidal.serve import wire
+from tidal.serve.core_process import CoreSpec, run_engine_core
 
 logger = logging.getLogger("tidal.serve")
+# Seconds between checks that the engine-core process is alive.
+WATCH_INTERVAL = 0.5
 
 
 class EngineError(RuntimeError):
@@ -90,30 +98,6 @@ class EngineStats:
     held_usage: float
 
 
-class _Track:
-    """Engine-thread bookkeeping of one request: how much of its output has been posted. The text is
-    the engine's (detokenised once there, stop strings already cut); while the request runs the
-    last ``len(longest stop) - 1`` characters are held back, since a stop string still arriving
-    may cut them."""
-
-    def __init__(self, params: SamplingParams) -> None:
-        stops = params.stop_strings
-        self.holdback = max(map(len, stops)) - 1 if stops else 0
-        self.num_tokens = 0
-        self.num_text = 0
-        self.sent_prompt_logprobs = False
-
-    def text_delta(self, text: str, finished: bool) -> str:
-        end = len(text) if finished else max(self.num_text, len(text) - self.holdback)
-        delta, self.num_text = text[self.num_text:end], end
-        return delta
-
-
-_STOP = object()
-# Seconds between refreshes of the engine stats while requests run (each costs a pool scan).
-STATS_INTERVAL = 0.05
-
-
 class RequestStream:
     """Async iterator over the deltas of one or more engine requests (several for a multi-prompt
     completion), ending when all have finished. ``close()`` aborts whatever is unfinished; call it
@@ -145,41 +129,96 @@ class RequestStream:
         self.pending.clear()
 
 
-class EngineClient:
-    """Runs ``engine`` on a daemon thread. ``on_finished`` is called on that thread with the final
-    output of every request that ends (finished or aborted), for metrics."""
 
-    def __init__(self, engine: EngineCore, on_finished: Callable[[RequestOutput], None] | None = None) -> None:
-        self.engine = engine
-        self.on_finished = on_finished
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("engine client task %s failed", task.get_coro(), exc_info=task.exception())
+
+
+class EngineStartError(RuntimeError):
+    """The engine-core process could not start (its reason, or how it exited)."""
+
+
+class EngineClient:
+    """The engine-core process and the sockets to it. ``on_finished`` is called on the event loop
+    with a :class:`~tidal.serve.wire.FinishedRequest` for every request that ends, for metrics.
+
+    :meth:`start_core` (before the event loop runs) spawns the core and returns once its model and
+    worker are up; :meth:`start` (on the loop) begins reading its frames."""
+
+    def __init__(self, llm_kwargs: dict[str, Any], on_finished: Callable[[wire.FinishedRequest], None] | None = None,
+                 *, log_level: str = "warning") -> None:
+        self.llm_kwargs, self.on_finished, self.log_level = llm_kwargs, on_finished, log_level
+        self._dir = tempfile.mkdtemp(prefix="tidal-core-")
+        self._ctx = zmq.Context()
+        self._push = self._ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(f"ipc://{self._dir}/in")
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.bind(f"ipc://{self._dir}/out")
+        self._apull: zmq.asyncio.Socket | None = None
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.info: wire.EngineInfo | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._sinks: dict[str, asyncio.Queue] = {}  # touched on the loop thread only
-        self._tracks: dict[str, _Track] = {}  # touched on the engine thread only
-        self._idle_calls: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []  # engine thread
-        self._stats = self._take_stats()
-        self._stats_time = 0.0
+        self._tasks: list[asyncio.Task] = []
+        self._sinks: dict[str, asyncio.Queue] = {}
+        self._adds: dict[str, asyncio.Future] = {}  # request id -> its acceptance by the core
+        self._flushes: dict[int, asyncio.Future] = {}
+        self._calls = itertools.count()
+        self._stats = EngineStats(EngineMetrics(), 0.0)
         self._closing: str | None = None
         self.dead: str | None = None  # why the engine can no longer serve
 
-    # ---- lifecycle (loop thread) ----------------------------------------------------------------
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def start_core(self, timeout: float | None = None) -> wire.EngineInfo:
+        """Spawn the engine-core process and wait until it is ready (its model loaded, its worker's
+        pool allocated). Raises EngineStartError with the core's reason when it cannot start."""
+        self.spawn_core()
+        return self.wait_ready(timeout)
+
+    def spawn_core(self) -> None:
+        spec = CoreSpec(self.llm_kwargs, f"ipc://{self._dir}/in", f"ipc://{self._dir}/out", os.getpid(),
+                        self.log_level)
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(spec,), name="tidal-engine-core", daemon=True)
+        self.process.start()
+
+    def wait_ready(self, timeout: float | None = None) -> wire.EngineInfo:
+        assert self.process is not None, "spawn_core first"
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._pull.poll(200):
+                msg = wire.unpack(self._pull.recv())
+                if msg[0] == wire.READY:
+                    self.info = wire.EngineInfo.from_wire(msg[1])
+                    return self.info
+                if msg[0] == wire.START_FAILED:
+                    self.process.join(10)
+                    raise EngineStartError(msg[1])
+            elif not self.process.is_alive():
+                raise EngineStartError(f"the engine core process exited with code {self.process.exitcode} "
+                                       "while starting (see its log above)")
+            if deadline is not None and time.monotonic() > deadline:
+                self.kill_core()
+                raise EngineStartError(f"the engine core was not ready within {timeout:g} s")
+
     def start(self) -> None:
+        """Begin reading the core's frames and watching the process (on the event loop)."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="tidal-engine", daemon=True)
-        self._thread.start()
+        self._apull = zmq.asyncio.Socket.from_socket(self._pull)
+        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
+        for t in self._tasks:
+            t.add_done_callback(_log_failure)
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead is None
+        self._check_process()
+        return self.info is not None and self.process is not None and self.dead is None
 
     def fail_all(self, reason: str) -> None:
         """End every in-flight request with EngineError(reason) and refuse new ones (shutdown)."""
         self._closing = reason
-        for rid, sink in list(self._sinks.items()):
-            sink.put_nowait(EngineError(reason))
-            self._commands.put(("abort", rid))
-        self._sinks.clear()
+        self._fail_everything(reason)
 
     def fail_all_threadsafe(self, reason: str) -> None:
         """``fail_all`` from any thread or a signal handler."""
@@ -187,29 +226,48 @@ class EngineClient:
             self._loop.call_soon_threadsafe(self.fail_all, reason)
 
     async def stop(self, timeout: float = 10.0) -> None:
+        """Stop the core (it aborts what runs and exits), then close the sockets."""
         self.fail_all(self._closing or "the server is shutting down")
-        self._commands.put(_STOP)
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
-            if self._thread.is_alive():
-                logger.warning("the engine thread did not stop within %.0f s", timeout)
+        if self.alive:
+            self._send(wire.pack(wire.STOP))
+        if self.process is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.process.join, timeout)
+            if self.process.is_alive():
+                logger.warning("the engine core did not stop within %.0f s: killing it", timeout)
+        self.kill_core()
+        for t in self._tasks:
+            t.cancel()
+        self.close()
 
-    # ---- requests (loop thread) -----------------------------------------------------------------
+    def kill_core(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+
+    def close(self) -> None:
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- requests -----------------------------------------------------------------------------
     async def generate(self, requests: list[EngineRequest]) -> RequestStream:
         """Queue ``requests`` in the engine. Raises what ``EngineCore.add_request`` raises
-        (ValueError, RequestTooLongError) with none of them left running, or EngineError."""
+        (ValueError, RequestTooLongError, QueueFullError) with none of them left running, or
+        EngineError."""
         if self._closing is not None:
             raise EngineError(self._closing)
         if not self.alive:
             raise EngineError(f"the engine is not running: {self.dead or 'stopped'}")
         sink: asyncio.Queue = asyncio.Queue()
-        futures = []
+        acks = []
+        loop = asyncio.get_running_loop()
         for r in requests:
             self._sinks[r.request_id] = sink
-            fut: concurrent.futures.Future = concurrent.futures.Future()
-            self._commands.put(("add", r, fut))
-            futures.append(fut)
-        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+            self._adds[r.request_id] = fut = loop.create_future()
+            acks.append(fut)
+            self._send(wire.pack_request(r))
+        results = await asyncio.gather(*acks, return_exceptions=True)
         errors = [e for e in results if isinstance(e, BaseException)]
         stream = RequestStream(self, sink, [r.request_id for r in requests])
         if errors:
@@ -222,187 +280,119 @@ class EngineClient:
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (no-op when it already finished); its pages are freed on the engine thread."""
+        """Abort a request (no-op when it already finished); the core frees its pages."""
         self._sinks.pop(request_id, None)
-        self._commands.put(("abort", request_id))
+        self._send(wire.pack(wire.ABORT, request_id))
 
-    async def call_when_idle(self, fn: Callable[[], Any], timeout: float) -> Any:
-        """Run ``fn`` on the engine thread once no request is unfinished (e.g. flushing the prefix
-        cache); TimeoutError if that takes longer than ``timeout`` seconds (``fn`` then never runs)."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("idle_call", fn, fut))
+    async def flush_prefix_cache(self, timeout: float) -> bool:
+        """Drop the prefix cache once no request is unfinished; False when prefix caching is off.
+        TimeoutError if requests still run after ``timeout`` seconds (the flush is then dropped)."""
+        if not self.alive:
+            raise EngineError(f"the engine is not running: {self.dead or 'stopped'}")
+        call = next(self._calls)
+        self._flushes[call] = fut = asyncio.get_running_loop().create_future()
+        self._send(wire.pack(wire.FLUSH_CACHE, call))
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+            return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            fut.cancel()
             raise TimeoutError(f"requests were still running after {timeout:g} s") from None
+        finally:
+            self._flushes.pop(call, None)
 
     def stats(self) -> EngineStats:
-        """The engine counters as of the last step (a copy; safe to read on any thread)."""
+        """The engine counters as of the core's last stats frame."""
         return self._stats
 
-    def _take_stats(self) -> EngineStats:
-        """On the engine thread (or before it starts)."""
-        pool = self.engine.pool
-        held = 1.0 - pool.available_pages / max(1, pool.total_pages)
-        return EngineStats(dataclasses.replace(self.engine.metrics()), held)
+    def _send(self, frame: bytes) -> None:
+        try:
+            self._push.send(frame, zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the core is gone (or its queue is full): the watch reports it
+            logger.warning("could not send to the engine core: %s", e)
 
-    # ---- the engine thread ----------------------------------------------------------------------
-    def _run(self) -> None:
+    # ---- frames from the core (event loop) ----------------------------------------------------
+    async def _read(self) -> None:
+        assert self._apull is not None
         while True:
+            frame = await self._apull.recv()
             try:
-                if not self._iterate():
-                    return
-            except Exception as e:
-                logger.exception("the engine thread failed")
-                self.dead = f"{type(e).__name__}: {e}"
-                self._fail_tracked(f"the engine failed: {self.dead}")
+                self._handle(wire.unpack(frame))
+            except Exception:  # noqa: BLE001 - one bad frame must not stop the reader
+                logger.exception("bad frame from the engine core")
 
-    def _iterate(self) -> bool:
-        """Take commands (waiting for one when there is nothing to step), then step once. False
-        when told to stop."""
-        engine = self.engine
-        busy = self.dead is None and engine.has_unfinished_requests()
-        for cmd in self._take_commands(block=not busy):
-            if cmd is _STOP:
-                self._abort_everything()
-                return False
-            self._handle(cmd)
-        if self._idle_calls and not engine.has_unfinished_requests():
-            self._run_idle_calls()
-        if self.dead is None and engine.has_unfinished_requests():
-            try:
-                outputs = engine.step()
-            except StepFailedError as e:  # the engine aborted the step's requests and logged why
-                outputs = []
-                failed = [rid for rid in e.request_ids if self._tracks.pop(rid, None) is not None]
-                self._post(self._fail_requests, failed, str(e), RequestFailedError)
-                if e.dead is not None:
-                    self.dead = e.dead
-                    self._fail_tracked(f"the engine is dead: {e.dead}")
-            except Exception as e:
-                logger.exception("engine step failed")
-                self._fail_tracked(f"the engine failed: {type(e).__name__}: {e}")
-                outputs = []
-            deltas = [self._delta(o) for o in outputs]
-            if deltas:
-                self._post(self._dispatch, deltas)
-        now = time.monotonic()
-        if now - self._stats_time > STATS_INTERVAL or not engine.has_unfinished_requests():
-            self._stats, self._stats_time = self._take_stats(), now
-        return True
+    def _handle(self, msg: list[Any]) -> None:
+        kind = msg[0]
+        if kind == wire.OUTPUTS:
+            for w in msg[1]:
+                self._dispatch(TokenDelta(w[0], w[1], w[2], wire.logprobs_from_wire(w[3]), *w[4:10],
+                                          prompt_logprobs=wire.logprobs_from_wire(w[10])))
+            for w in msg[2]:
+                self._finished(wire.FinishedRequest.from_wire(w))
+        elif kind == wire.ADDED:
+            fut = self._adds.pop(msg[1], None)
+            if fut is not None and not fut.done():
+                if msg[2] is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(wire.error_from_wire(msg[2], EngineError))
+        elif kind == wire.STATS:
+            self._stats = EngineStats(wire.metrics_from_wire(msg[1]), msg[2])
+        elif kind == wire.FAILED:
+            self._fail_requests(msg[1], msg[2], RequestFailedError)
+        elif kind == wire.DEAD:
+            self.dead = msg[1]
+            self._fail_requests(msg[2], msg[1])
+        elif kind == wire.FLUSHED:
+            fut = self._flushes.get(msg[1])
+            if fut is not None and not fut.done():
+                if msg[3] is None:
+                    fut.set_result(msg[2])
+                else:
+                    fut.set_exception(wire.error_from_wire(msg[3], EngineError))
+        else:
+            logger.error("unknown frame %r from the engine core", kind)
 
-    def _take_commands(self, block: bool) -> list:
-        out = [self._commands.get()] if block else []
+    async def _watch(self) -> None:
         while True:
-            try:
-                out.append(self._commands.get_nowait())
-            except queue.Empty:
-                return out
+            await asyncio.sleep(WATCH_INTERVAL)
+            self._check_process()
 
-    def _handle(self, cmd: tuple) -> None:
-        if cmd[0] == "add":
-            _, r, fut = cmd
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                if self.dead is not None:
-                    raise EngineError(f"the engine is not running: {self.dead}")
-                self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, prompt=r.prompt,
-                                        arrival_time=r.arrival_time, fork_of=r.fork_of, images=r.images)
-            except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
-                fut.set_exception(e)
-                return
-            self._tracks[r.request_id] = _Track(r.params)
-            fut.set_result(None)
-        elif cmd[0] == "idle_call":
-            self._idle_calls.append(cmd[1:])
-        elif cmd[0] == "abort":
-            rid = cmd[1]
-            if self._tracks.pop(rid, None) is None:
-                return
-            out = self.engine.abort_request(rid)
-            if out is not None:
-                self._finished(out)
+    def _check_process(self) -> None:
+        """Notice a core that exited: mark the engine dead, fail everything open."""
+        if self.process is None or self.dead is not None or self.process.is_alive():
+            return
+        code = self.process.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        self.dead = f"the engine core process (pid {self.process.pid}) exited ({how})"
+        if self._closing is None:
+            logger.error("%s", self.dead)
+        self._fail_everything(self.dead)
 
-    def _run_idle_calls(self) -> None:
-        calls, self._idle_calls = self._idle_calls, []
-        for fn, fut in calls:
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - handed to the awaiting handler
-                fut.set_exception(e)
+    def _fail_everything(self, reason: str) -> None:
+        alive = self.process is not None and self.process.is_alive()
+        for rid, sink in list(self._sinks.items()):
+            sink.put_nowait(EngineError(reason))
+            if alive:
+                self._send(wire.pack(wire.ABORT, rid))
+        self._sinks.clear()
+        for fut in [*self._adds.values(), *self._flushes.values()]:
+            if not fut.done():
+                fut.set_exception(EngineError(reason))
+        self._adds.clear()
 
-    def _delta(self, out: RequestOutput) -> TokenDelta:
-        tr = self._tracks[out.request_id]
-        comp = out.outputs[0]
-        new_ids = comp.token_ids[tr.num_tokens:]
-        delta = TokenDelta(
-            request_id=out.request_id,
-            token_ids=new_ids,
-            text=tr.text_delta(comp.text, out.finished),
-            logprobs=comp.logprobs[tr.num_tokens:] if comp.logprobs is not None else None,
-            num_prompt_tokens=len(out.prompt_token_ids),
-            num_output_tokens=len(comp.token_ids),
-            finished=out.finished,
-            finish_reason=comp.finish_reason,
-            stop_reason=comp.stop_reason,
-            num_cached_tokens=out.num_cached_tokens,
-        )
-        if not tr.sent_prompt_logprobs:
-            delta.prompt_logprobs = out.prompt_logprobs
-            tr.sent_prompt_logprobs = True
-        tr.num_tokens = len(comp.token_ids)
-        if out.finished:
-            del self._tracks[out.request_id]
-            self._finished(out)
-        return delta
-
-    def _finished(self, out: RequestOutput) -> None:
+    def _finished(self, record: wire.FinishedRequest) -> None:
         if self.on_finished is not None:
             try:
-                self.on_finished(out)
+                self.on_finished(record)
             except Exception:
                 logger.exception("on_finished callback failed")
 
-    def _fail_tracked(self, reason: str) -> None:
-        """After a failed step: abort everything in flight and tell its handlers why."""
-        rids = list(self._tracks)
-        self._tracks.clear()
-        for rid in rids:
-            try:
-                self.engine.abort_request(rid)
-            except Exception as e:  # noqa: BLE001
-                self.dead = f"{reason}; abort failed: {e}"
-        self._post(self._fail_requests, rids, reason)
-
-    def _abort_everything(self) -> None:
-        for rid in list(self._tracks):
-            try:
-                self.engine.abort_request(rid)
-            except Exception:
-                logger.exception("abort of %s failed at shutdown", rid)
-        self._tracks.clear()
-
-    def _post(self, fn: Callable, *args) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(fn, *args)
-            except RuntimeError:  # the loop closed in between
-                pass
-
-    # ---- loop-thread callbacks ------------------------------------------------------------------
-    def _dispatch(self, deltas: list[TokenDelta]) -> None:
-        for d in deltas:
-            sink = self._sinks.get(d.request_id)
-            if sink is None:
-                continue
-            sink.put_nowait(d)
-            if d.finished:
-                del self._sinks[d.request_id]
+    def _dispatch(self, d: TokenDelta) -> None:
+        sink = self._sinks.get(d.request_id)
+        if sink is None:
+            return
+        sink.put_nowait(d)
+        if d.finished:
+            del self._sinks[d.request_id]
 
     def _fail_requests(self, rids: list[str], reason: str, error: type[EngineError] = EngineError) -> None:
         for rid in rids:

@@ -3,8 +3,8 @@
 dashboards and bench scrapers built for vLLM read tidal unchanged.
 
 Gauges and engine counters are read from the engine client's stats at scrape time; the per-request
-histograms are observed when a request ends (on the engine thread; prometheus-client is
-thread-safe)."""
+histograms are observed when a request ends (from the engine core's finished-request records).
+"""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tidal.engine.request import RequestOutput
 from tidal.serve.engine_client import EngineStats
+from tidal.serve.wire import FinishedRequest
 
 PREFIX = "tidal:"
 VLLM_PREFIX = "vllm:"
@@ -148,12 +148,11 @@ class ServerMetrics:
         self.generation_tokens = Histogram(PREFIX + "request_generation_tokens", "Output tokens per request.", lab,
                                            buckets=TOKEN_BUCKETS, registry=r)
 
-    def observe(self, out: RequestOutput) -> None:
+    def observe(self, out: FinishedRequest) -> None:
         name = self.model_name
-        comp = out.outputs[0]
-        self.request_success.labels(name, comp.finish_reason or "unknown").inc()
-        self.prompt_tokens.labels(name).observe(len(out.prompt_token_ids))
-        self.generation_tokens.labels(name).observe(len(comp.token_ids))
+        self.request_success.labels(name, out.finish_reason or "unknown").inc()
+        self.prompt_tokens.labels(name).observe(out.num_prompt_tokens)
+        self.generation_tokens.labels(name).observe(out.num_output_tokens)
         m = out.metrics
         if m is None:
             return
