@@ -225,6 +225,32 @@ def test_five_turn_conversation_hits_the_prefix_cache(server, oai):
         assert prompt_lens[t - 1] <= cached[t] < prompt_lens[t], (prompt_lens, cached)
 
 
+def test_concurrent_streams_deliver_every_token(server):
+    """Three greedy completion streams at once, across the HTTP <-> engine-core boundary: each
+    carries every one of its tokens exactly once (logprobs naming token ids), the same tokens as
+    the non-streamed reply to the same request."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = 9
+    prompts = ["def fibonacci(n):", "The capital of France is", "1, 2, 3, 4,"]
+
+    def body(prompt: str, stream: bool) -> dict:
+        return {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                "logprobs": 1, "return_tokens_as_token_ids": True, "stream": stream}
+
+    def streamed(prompt: str) -> list[str]:
+        events = sse_events(server, "/v1/completions", body(prompt, True))
+        assert events[-1] == "[DONE]"
+        return [t for e in events[:-1] for t in (e["choices"][0].get("logprobs") or {}).get("tokens") or []]
+
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        got = list(ex.map(streamed, prompts))
+    for prompt, ids in zip(prompts, got):
+        full = httpx.post(server.url + "/v1/completions", json=body(prompt, False), headers=auth(), timeout=60).json()
+        assert len(ids) == n and ids == full["choices"][0]["logprobs"]["tokens"], prompt
+        assert all(t.startswith("token_id:") for t in ids)
+
+
 def test_chat_stream_without_usage_has_no_usage_chunk(server):
     events = sse_events(server, "/v1/chat/completions", {
         "model": MODEL, "messages": MESSAGES, "max_completion_tokens": 3, "stream": True, "ignore_eos": True})

@@ -385,3 +385,36 @@ def test_requests_whose_drafts_fail_back_off(model):
     assert outputs(drive(engine, jobs)) == outputs(want)
     m = engine.spec.metrics
     assert 4 <= m.num_chains <= 4 * 39 // 4  # a quarter of the 39 decode steps per request at most
+
+
+@pytest.mark.parametrize("replay", METHODS)
+def test_verify_plans_replay_into_a_fresh_worker(model, replay):
+    """Speculative steps travel in step plans like any other: the chains' slots or replay windows
+    ride in the plan, the replay commit as a copy, so a fresh worker fed the recorded plans
+    (through the wire format) reproduces every logit row bit for bit."""
+    from tidal.cache.allocator import ReplayStates
+    from tidal.engine.plan import StepPlan, decode_plan, encode_plan
+    from tidal.engine.worker import Worker
+    from test_step_plan import record
+
+    prompts = random_prompts(16, 4, 14)
+    jobs = [(i, str(i), p, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)) for i, p in enumerate(prompts)]
+    truth = truth_of(jobs, drive(make_engine(model), jobs))
+    spec = spec_config("NGRAM", K, enable_linear_replayssm_spec=replay)
+    engine = make_engine(model, blocks=24, spec=spec, drafter=ContinuationDrafter(
+        truth, model.config.vocab_size, rng=random.Random(7)))
+    logits = record(engine)
+    drive(engine, jobs)
+    plans = engine.plan_recorder
+    assert sum(len(p.chains) for p in plans) > 3 and 0 < engine.spec.metrics.num_accepted_tokens
+    assert any(isinstance(c, ReplayStates) for p in plans for c in p.copies) == replay
+    worker = Worker(model, engine.layout, cuda_graph=False)
+    for plan, want in zip(plans, logits):
+        got = worker.execute(decode_plan(encode_plan(plan)))
+        assert (got is None and want is None) or torch.equal(got, want), plan.step
+    if replay:  # the replay copies are what carries the commit into the storage
+        worker = Worker(model, engine.layout, cuda_graph=False)
+        stripped = [StepPlan(**{**vars(p), "copies": [c for c in p.copies if not isinstance(c, ReplayStates)]})
+                    for p in plans]
+        got = [worker.execute(p) for p in stripped]
+        assert not all(a is None or torch.equal(a, b) for a, b in zip(got, logits))

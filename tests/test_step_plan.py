@@ -28,13 +28,9 @@ def model() -> KimiForCausalLM:
     return init_weights(KimiForCausalLM(tiny_k3()), seed=0).eval()
 
 
-@pytest.fixture(scope="module")
-def recorded(model) -> tuple[EngineCore, list[StepPlan], list[torch.Tensor | None]]:
-    """Three turns of 8 conversations sharing a system prompt in a 10-block pool with a 10-token
-    budget: prefix hits (state copies, copy-on-write pages), snapshots, evictions, preemptions."""
-    block = pool_layout(model.config, 1 << 30, page_size=PAGE, kv_dtype_bytes=4, conv_dtype_bytes=4).block_bytes
-    engine = EngineCore(model, EngineConfig(max_num_batched_tokens=10, page_size=PAGE,
-                                            kv_cache_memory_bytes=10 * block, prefix_snapshot_interval=6))
+def record(engine: EngineCore) -> list[torch.Tensor | None]:
+    """Keep every plan the engine runs (``engine.plan_recorder``) and, in the returned list, the
+    logits its worker gave for each."""
     engine.plan_recorder = []
     logits: list[torch.Tensor | None] = []
     execute = engine.worker.execute
@@ -45,6 +41,17 @@ def recorded(model) -> tuple[EngineCore, list[StepPlan], list[torch.Tensor | Non
         return out
 
     engine.worker.execute = recording_execute
+    return logits
+
+
+@pytest.fixture(scope="module")
+def recorded(model) -> tuple[EngineCore, list[StepPlan], list[torch.Tensor | None]]:
+    """Three turns of 8 conversations sharing a system prompt in a 10-block pool with a 10-token
+    budget: prefix hits (state copies, copy-on-write pages), snapshots, evictions, preemptions."""
+    block = pool_layout(model.config, 1 << 30, page_size=PAGE, kv_dtype_bytes=4, conv_dtype_bytes=4).block_bytes
+    engine = EngineCore(model, EngineConfig(max_num_batched_tokens=10, page_size=PAGE,
+                                            kv_cache_memory_bytes=10 * block, prefix_snapshot_interval=6))
+    logits = record(engine)
     rng = random.Random(5)
     vocab = model.config.vocab_size
     system = [rng.randrange(vocab) for _ in range(9)]
