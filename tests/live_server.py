@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,3 +72,20 @@ def start_server(*extra: str, timeout: float = 180.0) -> Server:
     text = server.log_text()
     server.stop()
     raise RuntimeError(f"tidal serve did not become healthy in {timeout} s:\n{text}")
+
+
+def read_stream(url: str, path: str, body: dict, out: list[str], started: threading.Event,
+                timeout: float = 30.0) -> None:
+    """Collect a streamed response's non-empty lines into ``out`` (a transport error as the last
+    line); ``started`` is set after three ``data:`` lines, and always once the stream ends."""
+    try:
+        with httpx.stream("POST", url + path, json=body, timeout=timeout) as r:
+            for line in r.iter_lines():
+                if line:
+                    out.append(line)
+                    if sum(x.startswith("data: ") for x in out) >= 3:
+                        started.set()
+    except httpx.HTTPError as e:
+        out.append(f"transport error: {e}")
+    finally:
+        started.set()

@@ -155,7 +155,7 @@ def test_chunk_token_counts_follow_characters_to_tokens(byte_tok):
     # byte tokens: "é" is two bytes, so two tokens land in the second piece.
     assert byte_tok.chunk_token_counts(["h", "é", "llo"]) == [1, 2, 3]
     r = RequestRecord(chunks=[Chunk(0.1, "h"), Chunk(0.2, "é"), Chunk(0.5, "llo")], end=0.6)
-    m = request_metrics(r, counter=byte_tok.chunk_token_counts)
+    m = request_metrics(r, counter=byte_tok.chunk_token_counts, itl_rule="token")
     assert m.output_tokens == 6 and m.itl == pytest.approx([0.05, 0.05, 0.1, 0.1, 0.1])
 
 

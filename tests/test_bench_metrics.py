@@ -25,9 +25,11 @@ def test_multi_token_chunk_spreads_its_gap_by_usage_and_characters():
     # role-only chunk and an empty chunk carry no token; "cdef" is 4 of the 7 usage tokens.
     r = rec([Chunk(0.05), Chunk(0.10, "a"), Chunk(0.20, "b"), Chunk(0.25, ""), Chunk(0.50, "cdef"), Chunk(0.60, "g")],
             end=0.70, completion=7, prompt=12)
-    m = request_metrics(r)
+    m = request_metrics(r, itl_rule="token")
     assert m.ttft == approx(0.10) and m.ttfc == approx(0.10) and m.e2e == approx(0.70)
     assert m.itl == approx([0.10, 0.075, 0.075, 0.075, 0.075, 0.10])
+    # SGLang's and vLLM's OpenAI clients: one gap per token chunk, the held-back "cdef" one long gap.
+    assert request_metrics(r).itl == approx([0.10, 0.30, 0.10])
     assert m.tpot == approx((0.70 - 0.10) / 6)
     assert (m.input_tokens, m.output_tokens) == (12, 7)
 
@@ -38,7 +40,8 @@ def test_usage_total_apportioned_with_at_least_one_token_per_chunk():
     assert spread_counts(5, [1, 1, 4, 1]) == [1, 1, 2, 1]
     assert spread_counts(10, [1, 1, 1]) == [4, 3, 3]
     assert spread_counts(3, [5, 9, 2]) == [1, 1, 1]
-    m = request_metrics(rec([Chunk(0.1, "a"), Chunk(0.2, "b"), Chunk(0.5, "cdef"), Chunk(0.6, "g")], 0.7, completion=5))
+    m = request_metrics(rec([Chunk(0.1, "a"), Chunk(0.2, "b"), Chunk(0.5, "cdef"), Chunk(0.6, "g")], 0.7, completion=5),
+                        itl_rule="token")
     assert m.itl == approx([0.10, 0.15, 0.15, 0.10])
     assert m.tpot == approx(0.6 / 4)
 
@@ -46,8 +49,9 @@ def test_usage_total_apportioned_with_at_least_one_token_per_chunk():
 def test_exact_token_counts_from_the_server_win():
     chunks = [Chunk(0.1, "a", n_tokens=1), Chunk(0.2, "b", n_tokens=1), Chunk(0.25, ""),
               Chunk(0.5, "cdef", n_tokens=3), Chunk(0.6, "g", n_tokens=1)]
-    m = request_metrics(rec(chunks, 0.7, completion=6))
+    m = request_metrics(rec(chunks, 0.7, completion=6), itl_rule="token")
     assert m.itl == approx([0.1] * 5)
+    assert request_metrics(rec(chunks, 0.7, completion=6)).itl == approx([0.1, 0.3, 0.1])
     assert m.tpot == approx(0.12)
     # Without usage the output length is the sum of the exact counts.
     assert request_metrics(rec(chunks, 0.7)).output_tokens == 6
@@ -72,7 +76,7 @@ def test_failed_requests_stay_out_of_latencies_and_tokens():
     http = rec([], 0.05, send=10.2, error_class="http_500")
     mid = rec([Chunk(0.05, "zz"), Chunk(0.1, "q")], 0.2, send=10.1, error_class="midstream")
     empty = rec([Chunk(0.1)], 0.2, send=10.22)  # a 200 stream that never carried a token
-    row = summarize([ok1, http, mid, ok2, empty], 2.0, cut=1, row_start=10.0, details=True)
+    row = summarize([ok1, http, mid, ok2, empty], 2.0, cut=1, row_start=10.0, details=True, itl_rule="token")
     assert (row["completed"], row["failed"], row["cut"]) == (2, 3, 1)
     assert row["error_classes"] == {"http_500": 1, "midstream": 1, "empty_stream": 1}
     assert (row["total_input_tokens"], row["total_output_tokens"]) == (300, 6)
@@ -86,6 +90,9 @@ def test_failed_requests_stay_out_of_latencies_and_tokens():
     # ITL: ok1 [200, 200]; ok2 "yz" is 2 of its 3 tokens, so its 100 ms gap is [50, 50].
     itl = [row[f"{s}_itl_ms"] for s in ("mean", "median", "p90", "max")]
     assert itl == approx([125, 125, 200, 200])
+    # Per chunk, ok2's 100 ms gap is one value: [200, 200, 100].
+    by_chunk = summarize([ok1, http, mid, ok2, empty], 2.0, cut=1, row_start=10.0)
+    assert [by_chunk[f"{s}_itl_ms"] for s in ("mean", "median", "max")] == approx([500 / 3, 200, 200])
     assert row["mean_tpot_ms"] == approx(275) and row["mean_e2e_latency_ms"] == approx(750)
     assert row["concurrency"] == approx((0.6 + 0.9) / 2.0)
     # tokens at 10.7, 10.9 | 11.1 (ok1) and 11.1, 11.2 x2 (ok2): second 1 holds 4.

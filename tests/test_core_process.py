@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
-from live_server import MODEL, start_server
+from live_server import MODEL, read_stream, start_server
 
 
 def children(pid: int) -> list[int]:
@@ -55,17 +55,7 @@ def metric(url: str, name: str) -> float:
 
 def stream_until_error(url: str, out: list[str], started: threading.Event) -> None:
     body = {"model": MODEL, "prompt": "count", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-    try:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line:
-                    out.append(line)
-                    if len(out) >= 3:
-                        started.set()
-    except httpx.HTTPError as e:
-        out.append(f"transport error: {e}")
-    finally:
-        started.set()
+    read_stream(url, "/v1/completions", body, out, started, timeout=60)
 
 
 def test_a_killed_core_gives_503_and_clear_errors_then_sigterm_leaves_nothing():

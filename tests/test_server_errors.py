@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from live_server import MODEL, start_server
+from live_server import MODEL, read_stream, start_server
 from test_server import API_KEY, MAX_REQUEST_BYTES, auth, metric, shared_server
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -215,20 +215,6 @@ def test_non_stream_disconnect_frees_pool(server, oai):
 
 # ---- shutdown ------------------------------------------------------------------------------------
 
-def _read_stream(url: str, path: str, body: dict, out: list, started: threading.Event) -> None:
-    try:
-        with httpx.stream("POST", url + path, json=body, timeout=30) as r:
-            for line in r.iter_lines():
-                if line:
-                    out.append(line)
-                    if sum(x.startswith("data: ") for x in out) >= 3:
-                        started.set()
-    except httpx.HTTPError as e:
-        out.append(f"transport error: {e}")
-    finally:
-        started.set()
-
-
 def test_sigterm_ends_streams_with_error_and_exits():
     srv = start_server()
     try:
@@ -241,7 +227,7 @@ def test_sigterm_ends_streams_with_error_and_exits():
         outs, threads, started = [], [], []
         for path, body in streams:
             out, ev = [], threading.Event()
-            t = threading.Thread(target=_read_stream, args=(srv.url, path, body, out, ev), daemon=True)
+            t = threading.Thread(target=read_stream, args=(srv.url, path, body, out, ev), daemon=True)
             t.start()
             outs.append(out)
             threads.append(t)

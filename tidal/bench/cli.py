@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", default=None, help="file prefix (default tidal-bench-DATASET-TIME)")
     g.add_argument("--title", default=None)
     g.add_argument("--output-details", action="store_true", help="per-request arrays in the JSONL rows")
+    g.add_argument("--itl", choices=("chunk", "token"), default="chunk",
+                   help="chunk: one ITL per streamed chunk (SGLang's and vLLM's OpenAI clients); "
+                        "token: a chunk's gap spread over its tokens")
     g.add_argument("--no-plot", action="store_true")
     g.add_argument("--no-progress", action="store_true")
     return p
@@ -302,7 +305,7 @@ async def run_sweep(args: argparse.Namespace, server: Server, tok: BenchTokenize
                 run = await run_row(client, work, i + 1, conc, rate, progress, label)
                 row = row_config(args, server, tok, endpoint, fmt, conc, rate)
                 row.update(summarize(run.records, run.duration, cut=run.cut, row_start=run.start, counter=counter,
-                                     details=args.output_details))
+                                     details=args.output_details, itl_rule=args.itl))
                 after = spec_counts(server)
                 if before is not None and after is not None and after[0] > before[0]:
                     # SGLang's avg_spec_accept_length over this row's chains

@@ -4,8 +4,11 @@ Definitions (times from the moment the request was sent):
 - TTFT: first chunk carrying a token of any kind (reasoning, content or tool call). Role-only,
   usage-only and other empty chunks never count (SGLang's rule, not vLLM's any-chunk rule).
 - TTFC: first chunk carrying answer output (content or tool call), i.e. after any reasoning.
-- ITL: one value per token after the first token chunk; a chunk carrying n tokens spreads the
-  gap since the previous token chunk evenly over its n tokens (so the ITLs sum to last - first).
+- ITL: the gaps between consecutive token chunks, so the ITLs sum to last - first. By default one
+  value per chunk (``itl="chunk"``), the rule of SGLang's and vLLM's clients on the OpenAI
+  endpoints: a chunk that carries n tokens (text the server held back while it could still be a
+  marker) counts as one long gap. ``itl="token"`` spreads each gap evenly over the chunk's n tokens
+  instead (SGLang's rule on its native ``/generate``), one value per token; TPOT is per token in both.
 - E2E: the last line received (including ``[DONE]``). TPOT: (E2E - TTFT) / (output - 1).
 - Token counts per chunk: exact when the server says (logprobs / token_ids); otherwise
   ``usage.completion_tokens`` apportioned over the token chunks (one each when they match,
@@ -19,12 +22,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
 from tidal.bench.records import Chunk, RequestRecord
 
 ChunkCounter = Callable[[Sequence[str]], list[int]]
+ItlRule = Literal["chunk", "token"]
 STAT_NAMES = ("ttft", "ttfc", "tpot", "itl", "e2e_latency")
 
 
@@ -78,7 +83,8 @@ def chunk_token_counts(chunks: Sequence[Chunk], completion_tokens: int | None,
     return spread_counts(total, weights)
 
 
-def request_metrics(rec: RequestRecord, counter: ChunkCounter | None = None) -> RequestMetrics | None:
+def request_metrics(rec: RequestRecord, counter: ChunkCounter | None = None,
+                    itl_rule: ItlRule = "chunk") -> RequestMetrics | None:
     """Latencies and token counts of one successful request; None for a failed one."""
     if not rec.ok:
         return None
@@ -88,7 +94,10 @@ def request_metrics(rec: RequestRecord, counter: ChunkCounter | None = None) -> 
     counts = chunk_token_counts(tok, rec.completion_tokens, counter)
     itl: list[float] = []
     for prev, cur, n in zip(tok, tok[1:], counts[1:]):
-        itl.extend([(cur.t - prev.t) / n] * n)
+        if itl_rule == "token":
+            itl.extend([(cur.t - prev.t) / n] * n)
+        else:
+            itl.append(cur.t - prev.t)
     ttft = tok[0].t
     ttfc = next((c.t for c in tok if c.has_answer), None)
     out = rec.completion_tokens if rec.completion_tokens is not None else sum(counts)
@@ -121,10 +130,10 @@ def max_concurrent(records: Sequence[RequestRecord]) -> int:
 
 
 def summarize(records: Sequence[RequestRecord], duration: float, *, cut: int = 0, row_start: float | None = None,
-              counter: ChunkCounter | None = None, details: bool = False) -> dict:
+              counter: ChunkCounter | None = None, details: bool = False, itl_rule: ItlRule = "chunk") -> dict:
     """One row of the report. ``duration``: seconds from the first dispatch until the last
     measured request ended (or the deadline); ``cut``: requests cancelled at the deadline."""
-    pairs = [(r, request_metrics(r, counter)) for r in records]
+    pairs = [(r, request_metrics(r, counter, itl_rule)) for r in records]
     done = [(r, m) for r, m in pairs if m is not None]
     failed = [r for r, m in pairs if m is None]
     # A 200 stream without a token chunk fails even when whoever recorded it did not say so.
