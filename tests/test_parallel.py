@@ -96,7 +96,8 @@ def test_engine_on_ranks_equals_tp1(ckpts, ranks) -> None:
             # the planner's per-rank pool: what the rank allocated, its KDA state 1/tp of TP 1's
             assert got["pool_buffer_bytes"] == got["num_blocks"] * got["block_bytes"], where
             assert got["state_bytes"] * tp == refs[kind]["state_bytes"], where
-            # DCP: a page id stands for dcp x the tokens a rank stores of it
+            # DCP: each rank stores 1/dcp of every page's tokens, so the same blocks hold dcp x the
+            # logical context of a TP-only rank with the same state size
             assert got["stored_page_size"] * dcp == got["logical_page_size"] == pr.PAGE * dcp, where
 
 

@@ -40,7 +40,10 @@ class LLM:
     ``quantization`` (vLLM's): "mxfp4" keeps the routed experts packed in MXFP4, quantising dense
     ones; None follows the checkpoint (MXFP4 experts stay packed). An in-memory model is used as it
     is unless "mxfp4" is asked. ``speculative_*`` / ``enable_linear_replayssm_spec``: speculative
-    decoding as SGLang names it (:class:`tidal.spec.SpeculativeConfig`).
+    decoding as SGLang names it (:class:`tidal.spec.SpeculativeConfig`). ``tp_size`` / ``ep_size`` /
+    ``dcp_size`` (SGLang's names) > 1: one worker process per rank loads its shard of the checkpoint directory (``tidal.parallel.workers``);
+    ``nnodes`` > 1 with ``dist_init_addr`` "host:port": the other nodes run ``tidal serve
+    --node-rank k`` with the same flags. Call :meth:`close` to stop the workers.
     """
 
     def __init__(
@@ -68,12 +71,26 @@ class LLM:
         speculative_dspark_block_size: int | None = None,
         enable_linear_replayssm_spec: bool = False,
         enable_deterministic_inference: bool = False,
+        tp_size: int = 1,
+        ep_size: int = 1,
+        dcp_size: int = 1,
+        nnodes: int = 1,
+        dist_init_addr: str | None = None,
     ) -> None:
         speculative = SpeculativeConfig.from_args(  # bad settings fail before the model loads
             speculative_algorithm, speculative_num_draft_tokens, speculative_draft_model_path,
             speculative_dspark_block_size, enable_linear_replayssm_spec)
         device = torch.device(device) if device is not None else torch.device("cpu")
-        if isinstance(model, torch.nn.Module):
+        self.workers = None  # tidal.parallel.workers.RankWorkers when tp_size > 1
+        if tp_size > 1:
+            if model is None or isinstance(model, torch.nn.Module):
+                raise ValueError("tp_size > 1 loads each rank's shard from a checkpoint directory: pass model=<dir>")
+            if enable_deterministic_inference:
+                raise ValueError("enable_deterministic_inference runs in one process: it needs tp_size=1")
+            net, self.workers = _rank_workers(Path(model), dtype or "float32", quantization, tp_size, ep_size, dcp_size,
+                                              nnodes, dist_init_addr)
+            model_dir = Path(model)
+        elif isinstance(model, torch.nn.Module):
             net = model
             if dtype is not None and net.dtype != parse_dtype(dtype):
                 net = net.to_dtype(parse_dtype(dtype))
@@ -109,8 +126,13 @@ class LLM:
         config.speculative = speculative
         if cuda_graph_max_bs is not None:
             config.cuda_graph_max_bs = cuda_graph_max_bs
-        self.engine = EngineCore(net, config, self.tokenizer)
+        self.engine = EngineCore(net, config, self.tokenizer, worker=self.workers)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the rank workers (tp_size > 1; nothing to do otherwise)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -163,6 +185,25 @@ class LLM:
                 if out.finished:
                     results[out.request_id] = out
         return [_merge(rid, [results[s] for s in samples[rid]]) for rid in ids]
+
+
+def _rank_workers(model_dir: Path, dtype: str | torch.dtype, quantization: str | None, tp: int, ep: int,
+                  dcp: int, nnodes: int, dist_init_addr: str | None) -> tuple[KimiForCausalLM, Any]:
+    """Rank 0's model on the meta device (the engine core reads its shapes) and the rank workers."""
+    from tidal.model.checkpoint import read_config
+    from tidal.parallel.groups import Collectives, RankPlace
+    from tidal.parallel.shard import build_rank_model
+    from tidal.parallel.workers import RankWorkers
+
+    config = read_config(model_dir)
+    place = RankPlace(0, tp, ep, dcp)
+    packed = resolve_quantization(config, quantization) == "mxfp4"
+    with torch.device("meta"):
+        skeleton = build_rank_model(config, place, Collectives(place, None, None), packed=packed)
+    skeleton.to_dtype(parse_dtype(dtype))
+    name = str(parse_dtype(dtype)).removeprefix("torch.")
+    return skeleton, RankWorkers(str(model_dir), name, tp_size=tp, ep_size=ep, dcp_size=dcp, nnodes=nnodes,
+                                 dist_init_addr=dist_init_addr)
 
 
 def _merge(request_id: str, outs: list[RequestOutput]) -> RequestOutput:

@@ -120,12 +120,15 @@ class EngineCore:
         model: KimiForCausalLM,
         config: EngineConfig | None = None,
         tokenizer: object | None = None,
+        worker: object | None = None,
     ) -> None:
+        """``worker``: where the steps run when not in this process (``tidal.parallel.workers``:
+        one process per rank); ``model`` is then rank 0's model on the meta device (shapes only)."""
         self.model = model.eval()
         self.config = config = config or EngineConfig()
         self.model_config = model.config
         self.tokenizer = tokenizer
-        self.device = next(model.parameters()).device
+        self.device = torch.device("cpu") if worker is not None else next(model.parameters()).device
         self.dtype = model.dtype
         self.encoder_cache: EncoderCache | None = None
         if model.has_vision:
@@ -166,11 +169,15 @@ class EngineCore:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if config.enable_deterministic_inference:
             batch_invariant.check_available(self.device, self.dtype)
-        self.worker = Worker(model, self.layout, self.encoder_cache,
-                             cuda_graph=not config.disable_cuda_graph, cuda_graph_max_bs=config.cuda_graph_max_bs,
-                             max_context=min(self.max_model_len, self.layout.max_context_len()),
-                             deterministic=config.enable_deterministic_inference,
-                             dcp_rank=place.dcp_rank if place else 0)
+        if worker is not None:
+            worker.start(self.layout)
+            self.worker = worker
+        else:
+            self.worker = Worker(model, self.layout, self.encoder_cache,
+                                 cuda_graph=not config.disable_cuda_graph, cuda_graph_max_bs=config.cuda_graph_max_bs,
+                                 max_context=min(self.max_model_len, self.layout.max_context_len()),
+                                 deterministic=config.enable_deterministic_inference,
+                                 dcp_rank=place.dcp_rank if place else 0)
         self.num_plans = 0
         self.plan_recorder: list[StepPlan] | None = None  # set to a list to keep every plan (tests, replay)
         self.spec: SpecDecoder | None = None

@@ -51,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="routed experts kept packed in this format (default: the checkpoint's "
                         "quantization_config; mxfp4 packs a dense checkpoint's experts at load)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda when available)")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one worker process each")
+    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel groups among the TP ranks (tp %% ep == 0)")
+    p.add_argument("--dcp-size", type=int, default=1,
+                   help="decode-context-parallel ranks among the TP ranks sharing the MLA KV (tp %% dcp == 0)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes the TP ranks are spread over")
+    p.add_argument("--node-rank", type=int, default=0, help="this node (0 runs the server; others only workers)")
+    p.add_argument("--dist-init-addr", default=None, help="host:port every rank joins (needed with --nnodes > 1)")
     p.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
                    help="memory pool size: bytes, or with a unit (1GiB, 512MB; default: planned from free memory)")
     p.add_argument("--max-model-len", type=parse_count, default=None,
@@ -196,6 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     from tidal.embedded import embedded_model_dir
 
     model_dir = Path(args.model_dir) if args.model_dir else embedded_model_dir()
+    if args.nnodes > 1 and not args.dist_init_addr:
+        print("tidal serve: --nnodes > 1 needs --dist-init-addr host:port", file=sys.stderr)
+        return 2
+    if args.node_rank > 0:  # a worker node: no server, its ranks until the core stops them
+        from tidal.parallel.workers import run_node
+
+        return run_node(str(model_dir), dtype, tp_size=args.tp_size, ep_size=args.ep_size, dcp_size=args.dcp_size,
+                        nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
     try:  # the port first: a port in use is an error before minutes of loading, not after
         sock = socket.create_server((args.host, args.port), reuse_port=False)
     except OSError as e:
@@ -214,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                       speculative_dspark_block_size=args.speculative_dspark_block_size,
                       enable_linear_replayssm_spec=args.enable_linear_replayssm_spec,
                       enable_deterministic_inference=args.enable_deterministic_inference)
+    if args.tp_size > 1:
+        llm_kwargs.update(tp_size=args.tp_size, ep_size=args.ep_size, dcp_size=args.dcp_size, nnodes=args.nnodes,
+                          dist_init_addr=args.dist_init_addr)
     client = EngineClient(llm_kwargs, log_level=args.log_level)
     client.spawn_core()  # it loads the model while this process imports the app
     from tidal.config import ConfigError

@@ -145,12 +145,18 @@ class CoreLoop:
         frames = []
         if block:
             while not self.inbox.poll(1000):
-                pass
+                self.check_workers()
         while True:
             try:
                 frames.append(self.inbox.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return frames
+
+    def check_workers(self) -> None:
+        """An idle core notices a rank's worker process gone (a busy one fails its next step)."""
+        alive = getattr(self.engine.worker, "alive", None)
+        if self.dead is None and alive is not None and not alive():
+            self.fail_dead("a rank's worker process exited")
 
     def handle(self, msg: list[Any]) -> None:
         kind = msg[0]

@@ -1,0 +1,40 @@
+"""One worker process per rank behind the engine core: the core schedules once, broadcasts each
+step's plan, samples once on rank 0's gathered logits. Real processes joined by gloo."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import parallel_ranks as pr  # noqa: E402
+from tidal import LLM, SamplingParams  # noqa: E402
+
+
+def test_rank_workers_serve_like_tp1_and_a_dead_rank_fails_fast(tmp_path) -> None:
+    ckpt = str(pr.make_checkpoint("k3", tmp_path / "k3"))
+    prompts = [{"prompt_token_ids": [5 + i, 9, 17, 33 + i, 2, 8, 40 + 3 * i][: 3 + i]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, prompt_logprobs=0)
+    kw = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 22, page_size=pr.PAGE)
+    want = LLM(ckpt, **kw).generate(prompts, params)
+    llm = LLM(ckpt, tp_size=2, dcp_size=2, **kw)
+    try:
+        got = llm.generate(prompts, params)
+        for g, w in zip(got, want):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            for a, b in zip(w.prompt_logprobs[1:], g.prompt_logprobs[1:]):
+                (ta, la), = a.items()
+                assert abs(la.logprob - b[ta].logprob) < 1e-3
+        assert llm.workers.alive()  # a heartbeat round trip
+        llm.workers.procs[1].kill()
+        start = time.monotonic()
+        with pytest.raises(Exception):
+            llm.generate(prompts, params)
+        assert time.monotonic() - start < 30
+    finally:
+        llm.close()
+    assert all(p.poll() is not None for p in llm.workers.procs)
