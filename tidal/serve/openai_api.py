@@ -388,12 +388,14 @@ class CompletionAccumulator:
         self._lp_ids: list[list[int]] = [[] for _ in range(n)]
         self._lp_entries: list[list] = [[] for _ in range(n)]
         self.token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.new_token_ids: list[list[int]] = [[] for _ in range(n)]  # not yet sent in a stream chunk
         self.prompt_logprobs: list[list | None] = [None] * n
 
     def step(self, d: TokenDelta) -> tuple[int, str | None, dict[str, Any] | None]:
         """(choice index, text or None when this token completed none, logprobs)."""
         i = self.opts.index_of[d.request_id]
         self.token_ids[i] += d.token_ids
+        self.new_token_ids[i] += d.token_ids
         self.prompt_tokens[i], self.completion_tokens[i] = d.num_prompt_tokens, d.num_output_tokens
         self.cached_tokens[i] = d.num_cached_tokens
         if d.prompt_logprobs is not None:
@@ -444,6 +446,11 @@ async def completion_stream(stream: RequestStream, acc: CompletionAccumulator) -
         reason, stop = acc.finish[i] if d.finished else (None, None)
         c = completion_chunk(o.id, o.created, o.model, i, text, finish_reason=reason, stop_reason=stop,
                              logprobs=logprobs)
+        if o.return_token_ids:  # vLLM's: the prompt's ids on a choice's first chunk, each chunk's own ids
+            first = len(acc.new_token_ids[i]) == len(acc.token_ids[i])  # none sent yet
+            if first:
+                c["choices"][0]["prompt_token_ids"] = o.prompt_ids[i]
+            c["choices"][0]["token_ids"], acc.new_token_ids[i] = acc.new_token_ids[i], []
         if o.continuous_usage:
             c["usage"] = acc.usage()
         yield sse_data(c)
