@@ -227,8 +227,8 @@ def test_five_turn_conversation_hits_the_prefix_cache(server, oai):
 
 def test_concurrent_streams_deliver_every_token(server):
     """Three greedy completion streams at once, across the HTTP <-> engine-core boundary: each
-    carries every one of its tokens exactly once (logprobs naming token ids), the same tokens as
-    the non-streamed reply to the same request."""
+    carries every one of its tokens exactly once (logprobs naming token ids, and each chunk's own
+    ``token_ids`` under return_token_ids, vLLM's), the same tokens as the non-streamed reply."""
     from concurrent.futures import ThreadPoolExecutor
 
     n = 9
@@ -236,19 +236,25 @@ def test_concurrent_streams_deliver_every_token(server):
 
     def body(prompt: str, stream: bool) -> dict:
         return {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                "logprobs": 1, "return_tokens_as_token_ids": True, "stream": stream}
+                "logprobs": 1, "return_tokens_as_token_ids": True, "return_token_ids": True, "stream": stream}
 
-    def streamed(prompt: str) -> list[str]:
+    def streamed(prompt: str) -> tuple[list[str], list[int], list]:
         events = sse_events(server, "/v1/completions", body(prompt, True))
         assert events[-1] == "[DONE]"
-        return [t for e in events[:-1] for t in (e["choices"][0].get("logprobs") or {}).get("tokens") or []]
+        chunks = [e["choices"][0] for e in events[:-1]]
+        tokens = [t for c in chunks for t in (c.get("logprobs") or {}).get("tokens") or []]
+        return tokens, [t for c in chunks for t in c.get("token_ids") or []], [c.get("prompt_token_ids") for c in chunks]
 
     with ThreadPoolExecutor(len(prompts)) as ex:
         got = list(ex.map(streamed, prompts))
-    for prompt, ids in zip(prompts, got):
+    for prompt, (tokens, ids, prompt_ids) in zip(prompts, got):
         full = httpx.post(server.url + "/v1/completions", json=body(prompt, False), headers=auth(), timeout=60).json()
-        assert len(ids) == n and ids == full["choices"][0]["logprobs"]["tokens"], prompt
-        assert all(t.startswith("token_id:") for t in ids)
+        choice = full["choices"][0]
+        assert len(tokens) == n and tokens == choice["logprobs"]["tokens"], prompt
+        assert all(t.startswith("token_id:") for t in tokens)
+        assert ids == choice["token_ids"] == [int(t.removeprefix("token_id:")) for t in tokens], prompt
+        # the prompt's ids on the first chunk only
+        assert prompt_ids[0] == choice["prompt_token_ids"] and not any(prompt_ids[1:]), prompt
 
 
 def test_chat_stream_without_usage_has_no_usage_chunk(server):
