@@ -15,6 +15,7 @@ import torch
 from tidal.embedded import embedded_model_dir
 from tidal.engine.grammar import GrammarCompiler, PrefixConstraint, TokenTrie, allowed_tokens, unpack_bitmask
 from tidal.sampling_params import SamplingParams, StructuredOutputsParams
+from tidal.serve.chat.prompt import RenderedPrompt
 from tidal.tokenizer import load_tokenizer
 
 EOS = (2, 1)
@@ -187,3 +188,81 @@ def test_reply_grammar_accepts_rendered_calls_and_refuses_the_rest(compiler, tok
     with pytest.raises(ValueError, match="not among the declared tools"):
         reply_grammar(thinking=True, tools=tools, tool_choice={"type": "function", "function": {"name": "x"}})
     assert reply_grammar(thinking=True) is None
+
+
+# ---- the K2 reply grammar (tidal.serve.chat.k2_constraints) --------------------------------------
+
+@pytest.fixture(scope="module")
+def k2(tmp_path_factory):
+    """(format, tokenizer, compiler) of a byte-level tokenizer with the K2 format's special tokens."""
+    from tidal.embedded import K2_SPECIAL_TOKENS, write_byte_tokenizer
+    from tidal.serve.chat import chat_format_for
+
+    out = tmp_path_factory.mktemp("k2-tok")
+    write_byte_tokenizer(out, K2_SPECIAL_TOKENS, eos_token="[EOS]")
+    k2_tok = load_tokenizer(out)
+    return chat_format_for(k2_tok), k2_tok, GrammarCompiler(k2_tok, (k2_tok.special_tokens["[EOS]"],))
+
+
+def _k2_reply(fmt, tok, calls: list[tuple[str, object]], content: str = "Sure.", reasoning: str = "") -> list[int]:
+    """Token ids of a reply as the K2 renderer writes an assistant turn, after the generation
+    prompt and before its stop token ``<|im_end|>``."""
+    ask = [{"role": "user", "content": "hi"}]
+    msg = {"role": "assistant", "content": content, "reasoning_content": reasoning,
+           "tool_calls": [{"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": a}}
+                          for i, (n, a) in enumerate(calls)]}
+    prefix = fmt.render(ask, thinking="high").token_ids(tok)
+    full = fmt.render([*ask, msg], thinking="high", add_generation_prompt=False).token_ids(tok)
+    assert full[:len(prefix)] == prefix and full[-1] == tok.special_tokens["<|im_end|>"]
+    return full[len(prefix):-1]
+
+
+def _k2_accepts(fmt, compiler, ids: list[int], may_think: bool, **constraints) -> bool:
+    grammar = fmt.reply_grammar(RenderedPrompt(may_think=may_think), **constraints)
+    return _accepts(compiler, grammar, ids)
+
+
+def test_k2_reply_grammar_accepts_rendered_calls_and_refuses_the_rest(k2):
+    fmt, tok, compiler = k2
+    assert fmt.name == "kimi_k2"
+    weather = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+               "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+             {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+    call = ("get_weather", {"city": "Paris", "days": 2})
+    good = _k2_reply(fmt, tok, [call])
+    bare = _k2_reply(fmt, tok, [call], content="")
+    two = _k2_reply(fmt, tok, [call, ("search", {"q": "x"})], content="")
+    plain = _k2_reply(fmt, tok, [])
+    thought = _k2_reply(fmt, tok, [call], content="", reasoning="Let me see.")
+    wrong = [_k2_reply(fmt, tok, [c]) for c in (("rm_rf", {"city": "x"}), ("get_weather", {"city": "P", "days": "2"}),
+                                                 ("get_weather", {"days": 2}))]
+    for may_think in (True, False):
+        auto = {"tools": tools}
+        assert all(_k2_accepts(fmt, compiler, ids, may_think, **auto) for ids in (good, bare, two, plain))
+        assert not any(_k2_accepts(fmt, compiler, ids, may_think, **auto) for ids in wrong)
+        assert _k2_accepts(fmt, compiler, thought, may_think, **auto) == may_think
+        # required / named: calls and no content (OpenAI's forced call has content null)
+        required = {"tools": tools, "tool_choice": "required"}
+        assert _k2_accepts(fmt, compiler, bare, may_think, **required)
+        assert _k2_accepts(fmt, compiler, two, may_think, **required)
+        assert not any(_k2_accepts(fmt, compiler, ids, may_think, **required) for ids in (good, plain))
+        assert not _k2_accepts(fmt, compiler, two, may_think, **required, parallel_tool_calls=False)
+        named = {"tools": tools, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+        assert _k2_accepts(fmt, compiler, bare, may_think, **named)
+        assert not _k2_accepts(fmt, compiler, two, may_think, **named)
+        none = {"tools": tools, "tool_choice": "none"}
+        assert _k2_accepts(fmt, compiler, plain, may_think, **none)
+        assert not _k2_accepts(fmt, compiler, good, may_think, **none)
+    # a content constraint holds the content, with or without calls after it
+    so = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"enum": ["x", "y"]}},
+                                       "required": ["a"], "additionalProperties": False})
+    assert _k2_accepts(fmt, compiler, _k2_reply(fmt, tok, [], content='{"a": "x"}'), False, content=so)
+    assert not _k2_accepts(fmt, compiler, _k2_reply(fmt, tok, [], content='{"a": "z"}'), False, content=so)
+    assert _k2_accepts(fmt, compiler, _k2_reply(fmt, tok, [call], content='{"a": "y"}'), False, content=so,
+                       tools=tools)
+    assert not _k2_accepts(fmt, compiler, plain, False, content=so)
+    with pytest.raises(ValueError, match="not among the declared tools"):
+        fmt.reply_grammar(RenderedPrompt(), tools=tools, tool_choice={"type": "function", "function": {"name": "x"}})
+    assert fmt.reply_grammar(RenderedPrompt()) is None
+

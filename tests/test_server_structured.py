@@ -29,11 +29,11 @@ ASK = [{"role": "user", "content": "What is the weather in Paris tomorrow?"}]
 SAMPLED = {"n": 3, "seed": 1, "temperature": 1.0, "max_tokens": 300}
 
 
-def check_calls(choice, allowed: set[str]) -> list[str]:
+def check_calls(choice, allowed: set[str], schemas: dict[str, dict] = SCHEMAS) -> list[str]:
     calls = choice.message.tool_calls or []
     for c in calls:
         assert c.function.name in allowed, c.function.name
-        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+        jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
     return [c.function.name for c in calls]
 
 
@@ -101,14 +101,19 @@ def test_response_format_json_object_and_schema(oai, tok, effort):
         jsonschema.validate(json.loads(choice.message.content), PRODUCT)
 
 
-def test_structured_outputs_regex_choice_and_older_fields(oai):
-    kw = {"model": MODEL, "messages": ASK, "reasoning_effort": "off", **SAMPLED}
+def check_chat_structured_outputs(oai, **kw) -> None:
+    """structured_outputs regex and choice, and vLLM's older guided_choice, in chat replies."""
+    kw = {"model": MODEL, "messages": ASK, "reasoning_effort": "off", **SAMPLED, **kw}
     r = oai.chat.completions.create(**kw, extra_body={"structured_outputs": {"regex": r"[A-Z][a-z]{2,8} \d{1,2}C"}})
     assert all(re.fullmatch(r"[A-Z][a-z]{2,8} \d{1,2}C", c.message.content) for c in r.choices)
     r = oai.chat.completions.create(**kw, extra_body={"structured_outputs": {"choice": ["sunny", "rainy", "foggy"]}})
     assert all(c.message.content in ("sunny", "rainy", "foggy") for c in r.choices)
     r = oai.chat.completions.create(**kw, extra_body={"guided_choice": ["yes", "no"]})
     assert all(c.message.content in ("yes", "no") for c in r.choices)
+
+
+def test_structured_outputs_regex_choice_and_older_fields(oai):
+    check_chat_structured_outputs(oai)
     # completions: the raw text follows the constraint
     kw = {"model": MODEL, "prompt": "The answer is", "max_tokens": 40, "n": 3, "seed": 2, "temperature": 1.0}
     r = oai.completions.create(**kw, extra_body={"regex": r" (yes|no)\."})  # SGLang's field

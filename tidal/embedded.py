@@ -37,6 +37,13 @@ K3_SPECIAL_TOKENS = [
     "[start_header_id]", "[end_header_id]", "[EOT]", "<|media_begin|>", "<|media_content|>",
     "<|media_end|>", "<|media_pad|>", "[UNK]", "[PAD]",
 ]
+# The Kimi K2 / Kimi Linear chat format's special tokens (k3-model.md §6.2), for K2-format test
+# checkpoints; <think>/</think> special as in K2-Thinking's tokenizer.
+K2_SPECIAL_TOKENS = [
+    "[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
+    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<think>", "</think>", "[UNK]", "[PAD]",
+]
 
 
 def embedded_model_dir() -> Path:
@@ -62,20 +69,21 @@ def embedded_config_dict(vocab_size: int) -> dict[str, Any]:
     return d
 
 
-def write_byte_tokenizer(out_dir: Path) -> tuple[int, dict[str, int]]:
-    """A byte-level tokenizer.json (256 byte tokens, no merges) + K3 specials; returns
-    (vocab size, special ids)."""
+def write_byte_tokenizer(out_dir: Path, special_tokens: list[str] = K3_SPECIAL_TOKENS,
+                         eos_token: str = "<|end_of_msg|>") -> tuple[int, dict[str, int]]:
+    """A byte-level tokenizer.json (256 byte tokens, no merges) + special tokens (K3's unless
+    given); returns (vocab size, special ids)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(K3_SPECIAL_TOKENS)
+    tok.add_special_tokens(special_tokens)
     tok.save(str(out_dir / "tokenizer.json"))
-    ids = {t: tok.token_to_id(t) for t in K3_SPECIAL_TOKENS}
+    ids = {t: tok.token_to_id(t) for t in special_tokens}
     (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "[BOS]", "eos_token": "<|end_of_msg|>", "pad_token": "[PAD]", "unk_token": "[UNK]",
+        "bos_token": "[BOS]", "eos_token": eos_token, "pad_token": "[PAD]", "unk_token": "[UNK]",
         "model_max_length": 8192,
     }, indent=2))
     return tok.get_vocab_size(with_added_tokens=True), ids
@@ -101,6 +109,28 @@ def write_random_embedded_model(out_dir: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = init_weights(KimiForCausalLM(config), seed=seed)
     save_model(model.to_dtype(torch.bfloat16), out, expert_format="mxfp4-pack-quantized")
+    return out
+
+
+def write_random_k2_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """A seeded random-weight tiny Kimi Linear checkpoint (float32) with a byte-level tokenizer
+    carrying the K2 chat format's special tokens: the server speaks the K2 format to it."""
+    import torch
+
+    from tidal.config import ModelConfig
+    from tidal.model.checkpoint import save_model
+    from tidal.model.init import init_weights
+    from tidal.model.kimi import KimiForCausalLM
+    from tidal.presets import tiny_kimi_linear_dict
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    n_tokens, ids = write_byte_tokenizer(out, K2_SPECIAL_TOKENS, eos_token="[EOS]")
+    d = tiny_kimi_linear_dict(vocab_size=(n_tokens + 63) // 64 * 64)
+    d.update(bos_token_id=ids["[BOS]"], eos_token_id=ids["[EOS]"], pad_token_id=ids["[PAD]"])
+    torch.manual_seed(seed)
+    model = init_weights(KimiForCausalLM(ModelConfig.from_dict(d)), seed=seed)
+    save_model(model, out, dtype=torch.float32)
     return out
 
 

@@ -29,7 +29,6 @@ from tidal.serve import anthropic_api as anth
 from tidal.serve import openai_api as oai
 from tidal.serve import openai_protocol as proto
 from tidal.sampling_params import SamplingParams, StructuredOutputsParams
-from tidal.serve.chat.constraints import reply_grammar
 from tidal.serve import responses_api, vllm_routes
 from tidal.serve.chat import (
     DEFAULT_EFFORT,
@@ -197,19 +196,13 @@ class ServerState:
         params.structured_outputs = spec
 
     def reply_constraint(self, prompt: RenderedPrompt, *, tools: Any, tool_choice: Any,
-                         content: StructuredOutputsParams | None, explicit: bool,
+                         content: StructuredOutputsParams | None,
                          parallel_tool_calls: bool | None = None) -> StructuredOutputsParams | None:
-        """The grammar of a chat reply (tools, tool_choice, the response body's format). The K2
-        format has no reply grammar: there tools and response_format stay prompt instructions,
-        and explicit structured-output fields are refused."""
-        if self.chat is None or self.chat.name != "kimi_k3":
-            if explicit:
-                raise bad_request(f"structured outputs in chat are supported for the kimi_k3 format, not "
-                                  f"{self.chat.name if self.chat else 'none'}; use /v1/completions")
-            return None
+        """The grammar of a chat reply in the checkpoint's format (tools, tool_choice, the
+        response body's format)."""
         try:
-            grammar = reply_grammar(thinking=prompt.thinking, tools=tools, tool_choice=tool_choice, content=content,
-                                    parallel_tool_calls=parallel_tool_calls)
+            grammar = self.need_chat().reply_grammar(prompt, tools=tools, tool_choice=tool_choice, content=content,
+                                                     parallel_tool_calls=parallel_tool_calls)
         except ValueError as e:
             raise bad_request(str(e), "tool_choice" if "tool" in str(e) else "response_format") from e
         return StructuredOutputsParams(llguidance=grammar) if grammar is not None else None
@@ -484,7 +477,7 @@ def create_app(client: EngineClient, config: ServerConfig, tokenizer: Any, model
         params.token_healing = body.continue_final_message and body.heal(config.token_healing)
         params.stop_token_ids = [*params.stop_token_ids, *st.chat_stop_ids(params.ignore_eos)]
         spec = st.reply_constraint(prompt, tools=body.tool_dicts(), tool_choice=body.tool_choice,
-                                   content=body.content_constraint(), explicit=body.explicit_constraint() is not None,
+                                   content=body.content_constraint(),
                                    parallel_tool_calls=body.parallel_tool_calls)
         await st.constrain(params, spec, "response_format")
         rid = oai.new_id("chatcmpl")
@@ -567,7 +560,7 @@ def create_app(client: EngineClient, config: ServerConfig, tokenizer: Any, model
         params.stop_token_ids = [*params.stop_token_ids, *st.chat_stop_ids(params.ignore_eos)]
         choice = body.tool_choice or {}
         spec = st.reply_constraint(prompt, tools=anth.to_chat_tools(body), tool_choice=anth.to_tool_choice(choice),
-                                   content=anth.output_format(body), explicit=False,
+                                   content=anth.output_format(body),
                                    parallel_tool_calls=False if choice.get("disable_parallel_tool_use") else None)
         await st.constrain(params, spec, "tool_choice")
         mid = oai.new_id("msg", sep="_")

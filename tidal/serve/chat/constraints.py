@@ -73,14 +73,28 @@ def _regex(pattern: str) -> str:
     return "/" + pattern.replace("/", "\\/") + "/"
 
 
-class _Rules:
+class GrammarRules:
     def __init__(self) -> None:
-        self.lines: list[str] = []
+        self.lines: list[str] = ["TEXT: /(?s:.+)/"]  # free text: never a special token
         self.grammars: list[dict[str, Any]] = []
 
     def add(self, name: str, body: str) -> str:
         self.lines.append(f"{name}: {body}")
         return name
+
+    def tool_block(self, name: str, open_: str, close: str, calls: list[str], mode: str,
+                   parallel_tool_calls: bool | None) -> str:
+        """``open_``, one call of ``calls`` (several unless a named function or parallel calls
+        are off), ``close``: mandatory under required / named, optional under auto."""
+        call = self.add("call", " | ".join(calls))
+        many = mode != "named" and parallel_tool_calls is not False
+        rule = self.add(name, f"{open_} {call}{'+' if many else ''} {close}")
+        return rule if mode in ("required", "named") else rule + "?"
+
+    def grammar(self, start: list[str]) -> str:
+        """The llguidance grammar (JSON text): ``start`` in sequence, then the rules added."""
+        lark = "start: " + " ".join(start) + "\n" + "\n".join(self.lines) + "\n"
+        return json.dumps({"grammars": [{"lark_grammar": lark}, *self.grammars]}, ensure_ascii=False)
 
     def content(self, c: StructuredOutputsParams | None) -> str:
         """The response body rule for a content constraint (free text without one)."""
@@ -162,16 +176,11 @@ def function_of(tool: dict[str, Any]) -> dict[str, Any]:
     return tool.get("function", tool)
 
 
-def reply_grammar(*, thinking: bool, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
-                  content: StructuredOutputsParams | None = None, parallel_tool_calls: bool | None = None,
-                  strict: bool = False) -> str | None:
-    """The llguidance grammar (JSON text) of a K3 reply under these constraints; None when the
-    request constrains nothing (no tools, no content constraint, no tool_choice). ValueError
-    naming the problem for a tool_choice naming an undeclared tool or an unusable schema."""
-    tools = tools or []
-    if not tools and content is None and tool_choice in (None, "auto", "none"):
-        return None
+def tool_mode(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[str, str | None]:
+    """(mode, the named function) of a request: mode none / auto / required / named. ValueError
+    naming the problem for a tool_choice naming an undeclared tool or asking for a call with none."""
     names = [function_of(t).get("name") for t in tools]
+    wanted = None
     if tool_choice in (None, "auto"):
         mode = "auto" if tools else "none"
     elif tool_choice in ("none", "required"):
@@ -186,8 +195,31 @@ def reply_grammar(*, thinking: bool, tools: list[dict[str, Any]] | None = None, 
         raise ValueError(f"unsupported tool_choice {tool_choice!r}")
     if mode == "required" and not tools:
         raise ValueError('tool_choice "required" needs at least one tool')
-    r = _Rules()
-    r.lines.append("TEXT: /(?s:.+)/")
+    return mode, wanted
+
+
+def callable_tools(tools: list[dict[str, Any]], mode: str, wanted: str | None) -> list[tuple[int, dict[str, Any]]]:
+    """(index, function) of the tools a reply may call in ``mode`` (all, or the named one)."""
+    fns = [(i, function_of(t)) for i, t in enumerate(tools)]
+    return [(i, fn) for i, fn in fns if mode != "named" or fn.get("name") == wanted]
+
+
+def constrains_nothing(tools: list[dict[str, Any]] | None, tool_choice: Any,
+                       content: StructuredOutputsParams | None) -> bool:
+    return not tools and content is None and tool_choice in (None, "auto", "none")
+
+
+def reply_grammar(*, thinking: bool, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
+                  content: StructuredOutputsParams | None = None, parallel_tool_calls: bool | None = None,
+                  strict: bool = False) -> str | None:
+    """The llguidance grammar (JSON text) of a K3 reply under these constraints; None when the
+    request constrains nothing (no tools, no content constraint, no tool_choice). ValueError
+    naming the problem for a tool_choice naming an undeclared tool or an unusable schema."""
+    tools = tools or []
+    if constrains_nothing(tools, tool_choice, content):
+        return None
+    mode, wanted = tool_mode(tools, tool_choice)
+    r = GrammarRules()
     body = r.content(content)
     seq = []
     if thinking:
@@ -195,18 +227,11 @@ def reply_grammar(*, thinking: bool, tools: list[dict[str, Any]] | None = None, 
     seq += [body, close_tag("response")]
     if mode != "none":
         calls = []
-        for i, tool in enumerate(tools):
-            fn = function_of(tool)
-            if mode == "named" and fn.get("name") != wanted:
-                continue
+        for i, fn in callable_tools(tools, mode, wanted):
             args = r.arguments(i, fn.get("parameters"), strict or bool(fn.get("strict")))
             header = f'call tool="{escape_attr(fn.get("name") or "")}" index="'
             calls.append(r.add(f"call{i}", f'{OPEN} {lit(header)} INDEX "\\"" {SEP} {args} {close_tag("call")}'))
         r.lines.append("INDEX: /[1-9][0-9]{0,2}/")
-        call = r.add("call", " | ".join(calls))
-        many = mode != "named" and parallel_tool_calls is not False
-        tools_rule = r.add("tools", f"{open_tag('tools')} {call}{'+' if many else ''} {close_tag('tools')}")
-        seq.append(tools_rule if mode in ("required", "named") else tools_rule + "?")
+        seq.append(r.tool_block("tools", open_tag("tools"), close_tag("tools"), calls, mode, parallel_tool_calls))
     seq.append(close_tag("message"))
-    lark = "start: " + " ".join(seq) + "\n" + "\n".join(r.lines) + "\n"
-    return json.dumps({"grammars": [{"lark_grammar": lark}, *r.grammars]}, ensure_ascii=False)
+    return r.grammar(seq)

@@ -6,8 +6,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tidal.serve.chat.constraints import reply_grammar
 from tidal.serve.chat.events import ParsedReply, ReplyParser
 from tidal.serve.chat.k2 import EOS, IM_END, K2_DEFAULT_SYSTEM, render_k2
+from tidal.serve.chat.k2_constraints import k2_reply_grammar
 from tidal.serve.chat.k2_parser import K2ReplyParser
 from tidal.serve.chat.messages import Message
 from tidal.serve.chat.prompt import RenderedPrompt, RenderOptions
@@ -38,6 +40,12 @@ class ChatFormat:
                    make_id: Callable[[int], str] | None = None) -> ParsedReply:
         return self.parser(thinking, make_id).parse_full(text)
 
+    def reply_grammar(self, prompt: RenderedPrompt, **constraints: Any) -> str | None:
+        """The llguidance grammar (JSON text) that holds a reply to ``prompt`` to ``constraints``
+        (tools, tool_choice, content, parallel_tool_calls, strict); None when they constrain
+        nothing; ValueError naming the problem."""
+        raise NotImplementedError
+
     def stop_token_ids(self, tokenizer: Any) -> list[int]:
         """Ids of this format's stop tokens that the tokenizer has."""
         return [tokenizer.special_tokens[t] for t in self.stop_tokens if t in tokenizer.special_tokens]
@@ -57,6 +65,9 @@ class K3Format(ChatFormat):
     def parser(self, thinking=False, make_id=None) -> ReplyParser:
         return XtmlReplyParser(thinking, make_id, self.other_specials)
 
+    def reply_grammar(self, prompt, **constraints) -> str | None:
+        return reply_grammar(thinking=prompt.thinking, **constraints)
+
 
 @dataclass(frozen=True)
 class K2Format(ChatFormat):
@@ -73,3 +84,6 @@ class K2Format(ChatFormat):
 
     def parser(self, thinking=False, make_id=None) -> ReplyParser:
         return K2ReplyParser(make_id, self.other_specials)
+
+    def reply_grammar(self, prompt, **constraints) -> str | None:
+        return k2_reply_grammar(thinking=prompt.may_think, **constraints)

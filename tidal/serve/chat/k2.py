@@ -143,4 +143,5 @@ def render_k2(
         if not on and think_tokens:
             w.marker(THINK_OPEN)
             w.marker(THINK_CLOSE)
+        w.out.may_think = on and think_tokens
     return w.out

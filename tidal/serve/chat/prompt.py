@@ -64,6 +64,7 @@ class RenderedPrompt:
 
     segments: list[Segment] = field(default_factory=list)
     thinking: bool = False
+    may_think: bool = False  # K2: the reply may open with <think> (thinking on, <think> a special token)
     image_size_in_header: bool = False  # K3 writes "image {W}x{H}", K2.5 "image"
     # Set by the server once the images are loaded: each image at its placeholder offset
     # (tidal.engine.request.ImageItem), in prompt order.
