@@ -25,6 +25,7 @@ from tidal.sampling_params import SamplingParams
 from tidal.serve.chat import ContentDelta, Event, ReasoningDelta, ReplyParser, ToolCallStart
 from tidal.serve.engine_client import EngineError, EngineRequest, RequestStream, TokenDelta
 from tidal.serve.errors import APIError, bad_request, openai_envelope
+from tidal.serve.openai_protocol import response_format_constraint
 
 MAX_STORED_RESPONSES = 1024
 
@@ -150,8 +151,9 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         if not t.get("name"):
             raise bad_request("a function tool needs a name", f"tools.{i}.name")
         fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
-        if t.get("description") is not None:
-            fn["description"] = t["description"]
+        for key in ("description", "strict"):
+            if t.get(key) is not None:
+                fn[key] = t[key]
         out.append({"type": "function", "function": fn})
     return out
 
@@ -160,6 +162,18 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> Any:
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
     return choice
+
+
+def response_format_of(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` (json_schema's fields inline) in chat's ``response_format`` shape."""
+    fmt = (text or {}).get("format")
+    if not isinstance(fmt, dict) or fmt.get("type", "text") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict):
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    raise bad_request("text.format must be text, json_object, or json_schema with a schema", "text.format")
 
 
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -181,6 +195,9 @@ class OutputBuilder:
     items: list[dict[str, Any]] = field(default_factory=list)
     seq: int = 0
     _open: dict[str, Any] | None = None
+    # Reasoning that is blank so far: OpenAI emits a reasoning item only where there is reasoning,
+    # so the item opens with the first non-blank text (carrying this) and is never made without it.
+    _blank_reasoning: str = ""
 
     def event(self, kind: str, **data: Any) -> str:
         data = {"type": kind, **data, "sequence_number": self.seq}
@@ -203,14 +220,21 @@ class OutputBuilder:
         for ev in events:
             item = self._open
             if isinstance(ev, ReasoningDelta):
+                text = ev.text
                 if item is None or item["type"] != "reasoning":
+                    if not (self._blank_reasoning + text).strip():
+                        self._blank_reasoning += text
+                        continue
+                    text, self._blank_reasoning = self._blank_reasoning + text, ""
                     out += self._start({"type": "reasoning", "id": _id("rs"), "summary": [],
                                         "content": [{"type": "reasoning_text", "text": ""}]})
                     item = self._open
-                item["content"][0]["text"] += ev.text
+                item["content"][0]["text"] += text
                 out.append(self.event("response.reasoning_text.delta", **self._where(), content_index=0,
-                                      delta=ev.text))
-            elif isinstance(ev, ContentDelta):
+                                      delta=text))
+                continue
+            self._blank_reasoning = ""
+            if isinstance(ev, ContentDelta):
                 if item is None or item["type"] != "message":
                     out += self._start({"type": "message", "id": _id("msg"), "role": "assistant", "content": []})
                     item = self._open
@@ -334,13 +358,17 @@ def register(app: FastAPI, st: Any) -> None:
         history += input_messages(body.input)
         messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
         level = st.chat_effort(body.reasoning.effort if body.reasoning else None)
-        prompt, ids = await st.render(messages, level=level, tools=chat_tools(body.tools),
-                                      tool_choice=chat_tool_choice(body.tool_choice))
+        tools, tool_choice, fmt = chat_tools(body.tools), chat_tool_choice(body.tool_choice), response_format_of(body.text)
+        prompt, ids = await st.render(messages, level=level, tools=tools, tool_choice=tool_choice, response_format=fmt)
         try:
             params = body.sampling_params(defaults)
         except ValueError as e:
             raise bad_request(str(e).removeprefix("SamplingParams.")) from e
         params.stop_token_ids = [*params.stop_token_ids, *st.chat_stop_ids(params.ignore_eos)]
+        # tools, tool_choice and text.format are enforced by the chat format's reply grammar
+        spec = st.reply_constraint(prompt, tools=tools, tool_choice=tool_choice, content=response_format_constraint(fmt),
+                                   parallel_tool_calls=body.parallel_tool_calls)
+        await st.constrain(params, spec, "tool_choice")
         rid = _id("resp")
         stream = await st.submit([EngineRequest(rid, ids, params)], max_tokens_param="max_output_tokens")
         state = ResponseState(rid, body, st.chat.parser(prompt.thinking), history, level)
