@@ -1,23 +1,32 @@
 """Block Attention Residuals (spec §4): softmax over depth instead of a plain residual sum.
 
 Each sub-layer mixes the completed block summaries and the current partial sum with weights from a
-learned pseudo-query against their RMS-normalised values. Token-local: nothing is cached."""
+learned pseudo-query against their RMS-normalised values. Token-local: nothing is kept across steps
+(within a forward pass a completed block's normalisation can be computed once: ``block_cache``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tidal.model.layers import compute_dtype
-from tidal.ops import batch_invariant
+from tidal.model.layers import compute_dtype, derived_weight
+from tidal.ops import batch_invariant, fused_decode
 
 
 def attn_res(
-    partial: torch.Tensor, blocks: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float
+    partial: torch.Tensor, blocks: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float,
+    block_cache: list[torch.Tensor] | None = None, query: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mix [*blocks, partial] (each [T, d]) with softmax weights over depth; returns [T, d]."""
+    """Mix [*blocks, partial] (each [T, d]) with softmax weights over depth; returns [T, d].
+    ``block_cache``: a list the caller keeps for one forward pass (the fused kernel stores each
+    block's inverse RMS there once); ``query``: norm_weight * proj_weight in float32, precomputed."""
     if not blocks:
         return partial
+    if block_cache is not None:
+        q32 = query if query is not None else (norm_weight.float() * proj_weight.reshape(-1).float())
+        fused = fused_decode.attn_res(partial, blocks, block_cache, q32, eps)
+        if fused is not None:
+            return fused
     ct = compute_dtype(partial.dtype)
     values = torch.stack([*blocks, partial]).to(ct)  # [n+1, T, d]
     keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
@@ -45,7 +54,14 @@ def attn_res_params(owner: nn.Module, prefix: str, dim: int) -> None:
 
 
 def apply_attn_res(
-    owner: nn.Module, prefix: str, partial: torch.Tensor, blocks: list[torch.Tensor], eps: float
+    owner: nn.Module, prefix: str, partial: torch.Tensor, blocks: list[torch.Tensor], eps: float,
+    block_cache: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """:func:`attn_res` with the weights registered on owner under ``prefix``."""
-    return attn_res(partial, blocks, getattr(owner, f"{prefix}_norm").weight, getattr(owner, f"{prefix}_proj").weight, eps)
+    """:func:`attn_res` with the weights registered on owner under ``prefix`` (the float32
+    pseudo-query kept on owner while they do not change)."""
+    norm, proj = getattr(owner, f"{prefix}_norm").weight, getattr(owner, f"{prefix}_proj").weight
+    query = None
+    if block_cache is not None and not (torch.is_grad_enabled() and (norm.requires_grad or proj.requires_grad)):
+        query = derived_weight(owner, f"_{prefix}_query", (norm, proj),
+                               lambda: (norm.float() * proj.reshape(-1).float()).contiguous())
+    return attn_res(partial, blocks, norm, proj, eps, block_cache, query)

@@ -7,8 +7,8 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
-from tidal.model.layers import FusedWeights, compute_dtype, fuse_linears, linear, rms_norm
-from tidal.ops import backends, batch_invariant, dense
+from tidal.model.layers import FusedWeights, compute_dtype, derived_weight, fuse_linears, linear, rms_norm
+from tidal.ops import backends, batch_invariant, dense, fused_decode
 from tidal.ops.kda import (
     CHUNK,
     kda_chunked,
@@ -87,19 +87,34 @@ class KimiDeltaAttention(nn.Module):
         conv_state, rec_state = batch.cache.kda_storage(self.kda_index)
         sdt = rec_state.dtype
         qkv, f_a, gate, b = self._project(x)
+        z = self.f_b_proj(f_a)
+        if not self.config.kda_full_rank_gate:
+            gate = self.g_b_proj(gate)
+        # A pure decode step in one kernel call. Not under batch invariance: there a token's bits must
+        # not depend on whether its step also prefills (mixed steps run the torch ops below).
+        if batch.is_decode and T and not batch_invariant.enabled():
+            o = fused_decode.kda_layer_decode(
+                qkv, z, gate, b, conv_state, rec_state, batch.decode_slots(x.device), self._conv_weight(),
+                self.A_log, self.dt_bias, self.config.kda_gate_lower_bound, self.o_norm.weight,
+                self.config.rms_norm_eps)
+            if o is not None:
+                return self.o_proj(o.to(x.dtype))
         qkv = self._short_conv(qkv, conv_state, batch)
         q, k, v = qkv.to(sdt).view(T, 3, H, K).unbind(1)
         q = l2_normalize(q) * K**-0.5
         k = l2_normalize(k)
         b = b.to(compute_dtype(x.dtype))
         beta = batch_invariant.rowwise(torch.sigmoid, b) if batch_invariant.enabled() else torch.sigmoid(b)
-        z = self.f_b_proj(f_a).view(T, H, K)
-        g = kda_gate(z, self.A_log, self.dt_bias, self.config.kda_gate_lower_bound)
+        g = kda_gate(z.view(T, H, K), self.A_log, self.dt_bias, self.config.kda_gate_lower_bound)
         o = self._delta_rule((q, k, v, g, beta), rec_state, batch)  # [T, H, V] in state dtype
-        if not self.config.kda_full_rank_gate:
-            gate = self.g_b_proj(gate)
         o = rms_norm(o, self.o_norm.weight, self.config.rms_norm_eps) * torch.sigmoid(gate.view(T, H, K).to(o.dtype))
         return self.o_proj(o.flatten(1).to(x.dtype))
+
+    def _conv_weight(self) -> torch.Tensor:
+        """The q|k|v conv weights as one float32 [3P, W] tensor (kept while they do not change)."""
+        params = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        return derived_weight(self, "_conv_weight_f32", params,
+                              lambda: torch.cat(params).squeeze(1).to(torch.float32).contiguous())
 
     def _short_conv(
         self, qkv: torch.Tensor, state: torch.Tensor, batch: ForwardBatch

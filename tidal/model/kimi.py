@@ -79,19 +79,20 @@ class KimiModel(nn.Module):
         eps = self.config.rms_norm_eps
         size = self.config.attn_res_block_size
         blocks: list[torch.Tensor] = []
+        block_cache: list[torch.Tensor] = []  # what a kernel computes once per completed block
         partial: torch.Tensor | None = h
         for i, layer in enumerate(self.layers):
             assert partial is not None
-            a = apply_attn_res(layer, "self_attention_res", partial, blocks, eps)
+            a = apply_attn_res(layer, "self_attention_res", partial, blocks, eps, block_cache)
             if i % size == 0:
                 blocks.append(partial)
                 partial = None
             out = layer.attention(a, batch)
             partial = out if partial is None else partial + out
-            m = apply_attn_res(layer, "mlp_res", partial, blocks, eps)
+            m = apply_attn_res(layer, "mlp_res", partial, blocks, eps, block_cache)
             partial = partial + layer.feed_forward(m)
         assert partial is not None
-        return apply_attn_res(self, "output_attn_res", partial, blocks, eps)
+        return apply_attn_res(self, "output_attn_res", partial, blocks, eps, block_cache)
 
 
 class KimiForCausalLM(nn.Module):

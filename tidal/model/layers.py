@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tidal.ops import dense
+from tidal.ops import dense, fused_decode
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -17,6 +17,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm computed in at least float32, returned in x's dtype."""
+    fused = fused_decode.rms_norm(x, weight, eps)
+    if fused is not None:
+        return fused
     xf = x.to(compute_dtype(x.dtype))
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
@@ -44,6 +47,24 @@ class Linear(nn.Linear):
 def linear(in_features: int, out_features: int) -> nn.Linear:
     """Bias-free projection (every Kimi projection is bias-free)."""
     return Linear(in_features, out_features, bias=False)
+
+
+def derived_weight(owner: nn.Module, name: str, params: tuple[torch.Tensor, ...],
+                   make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()`` (a tensor computed from ``params`` alone, e.g. a concatenation), kept on ``owner``
+    under ``name`` until one of the parameters changes (storage, dtype, shape or an in-place write)."""
+    key = tuple((p.data_ptr(), p.dtype, p.shape, _version(p)) for p in params)
+    cached = owner.__dict__.get(name)
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, make())
+        owner.__dict__[name] = cached
+    return cached[1]
+
+
+def _version(t: torch.Tensor) -> int:
+    """The in-place write counter (an inference-mode tensor has none: -1)."""
+    return -1 if t.is_inference() else t._version
 
 
 def inference_layout(weight: torch.Tensor) -> torch.Tensor:

@@ -239,3 +239,36 @@ def bf16_gemm_kernel() -> Callable[..., torch.Tensor] | None:
         return out
 
     return gemm
+
+
+def fused_decode_enabled() -> bool:
+    """``TIDAL_FUSED_DECODE=0`` turns off the fused small-op kernels (RMSNorm, Block AttnRes, the KDA
+    layer step: ``tidal.ops.fused_decode``), leaving the torch ops of ``tidal/model``; read at every
+    call, so a benchmark can flip it between steps."""
+    return os.environ.get("TIDAL_FUSED_DECODE", "1") != "0"
+
+
+@cache
+def rms_norm_kernel() -> Callable | None:
+    """csrc/rms_norm.c's ``rms_norm_rows``, or None where it is unavailable."""
+    return _function("rms_norm", "rms_norm_rows",
+                     [_PTR, _I64, _PTR, _I64, _PTR, ctypes.c_int, _I64, _I64, ctypes.c_float, ctypes.c_int,
+                      ctypes.c_int])
+
+
+@cache
+def attn_res_kernels() -> tuple[Callable, Callable] | None:
+    """(csrc/attn_res.c's ``attn_res_rows``, ``attn_res_inv_rms``), or None."""
+    rows = _function("attn_res", "attn_res_rows",
+                     [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int, _PTR, ctypes.c_int])
+    inv = _function("attn_res", "attn_res_inv_rms", [_PTR, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int, _PTR])
+    return None if rows is None or inv is None else (rows, inv)
+
+
+@cache
+def kda_layer_decode_kernel() -> Callable | None:
+    """csrc/kda_layer_decode.c's ``kda_layer_decode``, or None."""
+    return _function("kda_layer_decode", "kda_layer_decode",
+                     [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, ctypes.c_int, _PTR, _I64, ctypes.c_int, _PTR,
+                      _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, ctypes.c_float, ctypes.c_int, _PTR, ctypes.c_float,
+                      _PTR, _I64, _I64, _I64, _I64, ctypes.c_int])

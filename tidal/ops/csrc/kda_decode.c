@@ -1,9 +1,7 @@
 /* One KDA decode token per (sequence, head), state updated in place: the C form of
  * tidal.ops.kda.kda_decode_step_ for float32 states on the CPU.
  *
- * Each (sequence, head) state S [K, V] is read once from memory for both reads of the decayed
- * state (k^T D S and q^T D S, D = diag(exp(g))) and then updated while it is still in cache:
- * S <- D S + k r^T with r = beta (v - k^T D S); o = q^T D S + r (k . q). One pass over memory
+ * Each (sequence, head) state is stepped by delta_rule.h (D = diag(exp(g))): one pass over memory
  * where the torch form makes three, and (sequence, head) pairs run in parallel. Each pair is
  * computed by one thread in a fixed order, so results do not depend on the batch or thread count.
  *
@@ -13,6 +11,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+
+#include "delta_rule.h"
 
 void kda_decode_step_f32(float *state, int64_t seq_stride, const float *q, const float *k, const float *v,
                          const float *g, const float *beta, float *o, int64_t B, int64_t H, int64_t K,
@@ -24,30 +24,13 @@ void kda_decode_step_f32(float *state, int64_t seq_stride, const float *q, const
             const int64_t x = b * H + h;
             const float *qq = q + x * K, *kk = k + x * K, *gg = g + x * K, *vv = v + x * V;
             float *oo = o + x * V;
-            float decay[K], ks[V], qs[V];
+            float decay[K], r[V];
             float kq = 0.0f;
-            for (int64_t j = 0; j < V; j++) ks[j] = qs[j] = 0.0f;
             for (int64_t i = 0; i < K; i++) {
                 decay[i] = expf(gg[i]);
-                const float a = kk[i] * decay[i], c = qq[i] * decay[i];
-                const float *row = S + i * V;
-                for (int64_t j = 0; j < V; j++) {
-                    ks[j] += a * row[j];
-                    qs[j] += c * row[j];
-                }
                 kq += kk[i] * qq[i];
             }
-            const float bt = beta[x];
-            for (int64_t j = 0; j < V; j++) {
-                const float r = (vv[j] - ks[j]) * bt;
-                ks[j] = r;
-                oo[j] = qs[j] + r * kq;
-            }
-            for (int64_t i = 0; i < K; i++) {
-                float *row = S + i * V;
-                const float d = decay[i], ki = kk[i];
-                for (int64_t j = 0; j < V; j++) row[j] = row[j] * d + ki * ks[j];
-            }
+            delta_rule_step(S, qq, kk, vv, decay, beta[x], kq, r, oo, K, V);
         }
     }
 }

@@ -1,0 +1,259 @@
+"""The fused CPU decode kernels (tidal/ops/fused_decode.py: RMSNorm, Block AttnRes, the KDA layer
+step) against float64 token-by-token references on fresh random inputs; a row's bits alone == in a
+batch and at 1 == 2 threads; the torch form when they are off; the engine's greedy tokens with and
+without them (float32, the embedded model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tidal import LLM, SamplingParams
+from tidal.embedded import embedded_model_dir
+from tidal.model.attn_res import attn_res
+from tidal.model.layers import rms_norm
+from tidal.ops import cpu_kernels, fused_decode
+from tidal.ops.kda import kda_gate, kda_recurrent, l2_normalize
+from tidal.ops.short_conv import causal_conv_step
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def kernels_built():
+    if None in (cpu_kernels.rms_norm_kernel(), cpu_kernels.attn_res_kernels(), cpu_kernels.kda_layer_decode_kernel()):
+        pytest.skip("no C compiler here: the torch forms run")
+
+
+def threads(n: int):
+    class _Threads:
+        def __enter__(self):
+            self.old = torch.get_num_threads()
+            torch.set_num_threads(n)
+
+        def __exit__(self, *exc):
+            torch.set_num_threads(self.old)
+
+    return _Threads()
+
+
+def reference_rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    y = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+    return y if w is None else y * w.double()
+
+
+# ---- RMSNorm -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, None])
+def test_rms_norm_matches_float64_on_strided_rows(dtype, weight_dtype):
+    gen = torch.Generator().manual_seed(1)
+    D = 77
+    x = (3 * torch.randn(9, D + 5, generator=gen)).to(dtype)[:, 2 : 2 + D]  # rows with a gap
+    w = None if weight_dtype is None else (1 + torch.randn(D, generator=gen)).to(weight_dtype)
+    out = fused_decode.rms_norm(x, w, 1e-5)
+    assert out is not None and out.dtype == dtype and out.shape == x.shape
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(out.double(), reference_rms_norm(x, w, 1e-5), rtol=tol, atol=tol)
+    assert torch.equal(rms_norm(x, w, 1e-5), out)  # what the model's rms_norm runs
+
+
+def test_rms_norm_rows_are_bitwise_batch_and_thread_invariant():
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(64, 1100, generator=gen), torch.randn(1100, generator=gen)
+    with threads(2):
+        batch = fused_decode.rms_norm(x, w, 1e-6)
+        alone = torch.cat([fused_decode.rms_norm(x[i : i + 1], w, 1e-6) for i in range(64)])
+    with threads(1):
+        single = fused_decode.rms_norm(x, w, 1e-6)
+    assert torch.equal(batch, alone) and torch.equal(batch, single)
+
+
+# ---- Block AttnRes -------------------------------------------------------------------------------
+
+
+def reference_attn_res(partial, blocks, norm_w, proj_w, eps):
+    values = torch.stack([*blocks, partial]).double()
+    keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + eps)
+    alpha = torch.softmax(keys @ (norm_w.double() * proj_w.double().reshape(-1)), dim=0)
+    return (alpha.unsqueeze(-1) * values).sum(0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attn_res_matches_float64_with_blocks_cached_once(dtype):
+    gen = torch.Generator().manual_seed(3)
+    T, D, eps = 5, 67, 1e-5
+    blocks: list[torch.Tensor] = []
+    cache: list[torch.Tensor] = []
+    for n in range(1, 5):  # the cache grows by one block per completed block, as in a forward pass
+        blocks.append((2 * torch.randn(T, D, generator=gen)).to(dtype))
+        partial = torch.randn(T, D, generator=gen).to(dtype)
+        norm_w, proj_w = 1 + torch.randn(D, generator=gen), torch.randn(1, D, generator=gen)
+        out = attn_res(partial, blocks, norm_w, proj_w, eps, cache)
+        assert len(cache) == n and out.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.double(), reference_attn_res(partial, blocks, norm_w, proj_w, eps),
+                                   rtol=tol, atol=tol)
+        torch.testing.assert_close(out, attn_res(partial, blocks, norm_w, proj_w, eps), rtol=tol, atol=tol)
+
+
+def test_attn_res_rows_are_bitwise_batch_and_thread_invariant():
+    gen = torch.Generator().manual_seed(4)
+    T, D = 8, 300
+    blocks = [torch.randn(T, D, generator=gen) for _ in range(3)]
+    partial, query = torch.randn(T, D, generator=gen), torch.randn(D, generator=gen)
+    with threads(2):
+        batch = fused_decode.attn_res(partial, blocks, [], query, 1e-6)
+        alone = torch.cat([fused_decode.attn_res(partial[i : i + 1], [b[i : i + 1] for b in blocks], [], query, 1e-6)
+                           for i in range(T)])
+    with threads(1):
+        single = fused_decode.attn_res(partial, blocks, [], query, 1e-6)
+    assert torch.equal(batch, alone) and torch.equal(batch, single)
+
+
+# ---- the KDA layer step --------------------------------------------------------------------------
+
+H, K, W, N = 3, 20, 4, 9  # heads, head dim, conv taps, state slots
+P = H * K
+
+
+class Layer:
+    """Random float64 weights of one KDA layer's recurrent part, and a pool of states whose slots sit
+    in strided blocks (a gap after each, like the engine's pool)."""
+
+    def __init__(self, gen: torch.Generator, bound: float | None, conv_dtype: torch.dtype) -> None:
+        self.conv_w = 0.5 * torch.randn(3 * P, W, generator=gen, dtype=torch.float64)
+        self.A_log = 0.5 * torch.randn((H, 1) if bound is not None else (1, K), generator=gen, dtype=torch.float64)
+        self.dt_bias = torch.randn(P, generator=gen, dtype=torch.float64)
+        self.o_norm = 1 + 0.1 * torch.randn(K, generator=gen, dtype=torch.float64)
+        self.bound, self.eps = bound, 1e-5
+        conv = torch.randn(N, (W - 1) * 3 * P, generator=gen).to(conv_dtype)
+        self.conv = torch.cat([conv, torch.zeros(N, 7, dtype=conv_dtype)], 1)[:, : (W - 1) * 3 * P].unflatten(
+            1, (W - 1, 3 * P))
+        rec = torch.randn(N, H * K * K + 13, generator=gen)
+        self.rec = rec[:, : H * K * K].unflatten(1, (H, K, K))
+        self.conv_ref = self.conv.double().clone()
+        self.rec_ref = self.rec.double().clone()
+
+    def kernel(self, inputs, slots: list[int]) -> torch.Tensor:
+        out = fused_decode.kda_layer_decode(
+            *inputs, self.conv, self.rec, torch.tensor(slots, dtype=torch.int32), self.conv_w.float(),
+            self.A_log.float(), self.dt_bias.float(), self.bound, self.o_norm.float(), self.eps)
+        assert out is not None
+        return out
+
+    def reference(self, inputs, slots: list[int]) -> torch.Tensor:
+        """Token by token in float64 with the model's torch ops."""
+        outs = []
+        for t, s in enumerate(slots):
+            qkv, z, gate, b = (x[t : t + 1].double() for x in inputs)
+            y, new_conv = causal_conv_step(qkv, self.conv_w, self.conv_ref[s : s + 1])
+            y = y.to(inputs[0].dtype).double()  # the conv output is in the rows' dtype (the model's rounding)
+            self.conv_ref[s] = new_conv[0]
+            q, k, v = y.view(1, 3, H, K).unbind(1)
+            g = kda_gate(z.view(1, H, K), self.A_log, self.dt_bias, self.bound)
+            o, new_rec = kda_recurrent(*(x.unsqueeze(1) for x in (l2_normalize(q) * K**-0.5, l2_normalize(k), v, g)),
+                                       torch.sigmoid(b).unsqueeze(1), self.rec_ref[s : s + 1])
+            self.rec_ref[s] = new_rec[0]
+            o = reference_rms_norm(o[:, 0], self.o_norm, self.eps) * torch.sigmoid(gate.view(1, H, K))
+            outs.append(o.flatten(1))
+        return torch.cat(outs)
+
+
+def step_inputs(gen: torch.Generator, T: int, dtype: torch.dtype):
+    """qkv, z, gate, b of T tokens as views of one projection output (row stride > width)."""
+    fused = torch.randn(T, 3 * P + P + P + H + 3, generator=gen)
+    fused[:, 3 * P : 4 * P] *= 3  # z: gates from near 0 to near the bound
+    parts = fused.to(dtype).split([3 * P, P, P, H, 3], dim=1)
+    return parts[:4]
+
+
+@pytest.mark.parametrize("bound", [-5.0, None])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kda_layer_step_matches_float64_token_by_token(bound, dtype):
+    """Six decode steps of five sequences in shuffled slots: outputs and both states == float64."""
+    gen = torch.Generator().manual_seed(5)
+    layer = Layer(gen, bound, dtype)
+    for _ in range(6):
+        slots = torch.randperm(N, generator=gen)[:5].tolist()
+        inputs = step_inputs(gen, 5, dtype)
+        out = layer.kernel(inputs, slots)
+        torch.testing.assert_close(out.double(), layer.reference(inputs, slots), rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(layer.rec.double(), layer.rec_ref, rtol=2e-4, atol=2e-4)
+    assert torch.equal(layer.conv.double(), layer.conv_ref)  # the conv state holds the inputs, exactly
+
+
+def test_kda_layer_step_is_bitwise_batch_and_thread_invariant():
+    gen = torch.Generator().manual_seed(6)
+    inputs = step_inputs(gen, 8, torch.float32)
+    layers = [Layer(torch.Generator().manual_seed(9), -5.0, torch.float32) for _ in range(3)]
+    with threads(2):
+        batch = layers[0].kernel(inputs, list(range(8)))
+        alone = torch.cat([layers[1].kernel([x[t : t + 1] for x in inputs], [t]) for t in range(8)])
+    with threads(1):
+        single = layers[2].kernel(inputs, list(range(8)))
+    assert torch.equal(batch, alone) and torch.equal(batch, single)
+    assert torch.equal(layers[0].rec, layers[1].rec) and torch.equal(layers[0].rec, layers[2].rec)
+    assert torch.equal(layers[0].conv, layers[1].conv)
+
+
+def test_off_switch_and_unsupported_inputs_fall_back(monkeypatch):
+    x = torch.randn(3, 16)
+    monkeypatch.setenv("TIDAL_FUSED_DECODE", "0")
+    assert fused_decode.rms_norm(x, None, 1e-6) is None
+    assert fused_decode.attn_res(x, [x], [], torch.randn(16), 1e-6) is None
+    monkeypatch.setenv("TIDAL_FUSED_DECODE", "1")
+    assert fused_decode.rms_norm(x.double(), None, 1e-6) is None  # float64 runs the torch form
+    assert fused_decode.rms_norm(x.requires_grad_(), None, 1e-6) is None  # autograd too
+    xt = x.detach().t()  # columns: not rows with unit stride, the torch form
+    torch.testing.assert_close(rms_norm(xt, None, 1e-6), reference_rms_norm(xt, None, 1e-6).float())
+
+
+def test_kernels_off_when_cpu_kernels_disabled(monkeypatch):
+    try:
+        monkeypatch.setenv("TIDAL_CPU_KERNELS", "0")
+        for fn in (cpu_kernels._library, cpu_kernels.rms_norm_kernel, cpu_kernels.attn_res_kernels,
+                   cpu_kernels.kda_layer_decode_kernel):
+            fn.cache_clear()
+        x = torch.randn(3, 16)
+        assert fused_decode.rms_norm(x, None, 1e-6) is None
+        torch.testing.assert_close(rms_norm(x, None, 1e-6), reference_rms_norm(x, None, 1e-6).float())
+    finally:
+        monkeypatch.delenv("TIDAL_CPU_KERNELS")
+        for fn in (cpu_kernels._library, cpu_kernels.rms_norm_kernel, cpu_kernels.attn_res_kernels,
+                   cpu_kernels.kda_layer_decode_kernel):
+            fn.cache_clear()
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+
+
+def test_engine_greedy_tokens_equal_with_and_without_the_fused_kernels(monkeypatch):
+    """float32 embedded model: the same greedy tokens with the kernels on (batched and alone) and
+    off, and the KDA layers really ran their fused step."""
+    calls = []
+    real = fused_decode.kda_layer_decode
+
+    def counted(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused_decode, "kda_layer_decode", counted)
+    llm = LLM(str(embedded_model_dir()), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    prompts = [[5, 17, 99, 3], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9], [42] * 6, list(range(30, 60))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def greedy(batch: bool) -> list[list[int]]:
+        if batch:
+            return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        return [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
+
+    monkeypatch.setenv("TIDAL_FUSED_DECODE", "0")
+    want = greedy(True)
+    assert not any(calls)
+    monkeypatch.setenv("TIDAL_FUSED_DECODE", "1")
+    assert greedy(True) == want
+    assert any(calls)
+    assert greedy(False) == want

@@ -1,0 +1,125 @@
+"""One C call where a decode step ran a chain of small torch ops on the CPU: RMSNorm, Block AttnRes
+and the recurrent part of a KDA layer (csrc/rms_norm.c, attn_res.c, kda_layer_decode.c).
+
+At batch 1 a step's work per op is a few hundred values, so its time went to dispatching ~2,000
+aten calls, not to arithmetic. Each function here takes the arguments of the model's math and
+returns its result, or None where the kernel does not apply (not the CPU, float64, autograd, the
+kernels off: ``TIDAL_CPU_KERNELS=0`` or ``TIDAL_FUSED_DECODE=0``); the model then runs its torch
+form. Every kernel computes a row by one thread in a fixed order: a row's bits do not depend on the
+batch or the thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tidal.ops.cpu_kernels import attn_res_kernels, fused_decode_enabled, kda_layer_decode_kernel, rms_norm_kernel
+
+_DTYPES = (torch.float32, torch.bfloat16)
+MAX_HEAD_DIM = 1024  # the kernel's per-head arrays live on its stack
+
+
+def _applies(*tensors: torch.Tensor) -> bool:
+    grad = torch.is_grad_enabled()
+    return fused_decode_enabled() and all(
+        t.device.type == "cpu" and t.dtype in _DTYPES and not (grad and t.requires_grad) for t in tensors)
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    """A 2-D tensor of contiguous rows (any row stride)."""
+    return x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+    """:func:`tidal.model.layers.rms_norm` over the last dim of x (rows of any leading shape)."""
+    if not _applies(x, *([weight] if weight is not None else [])) or x.numel() == 0 or x.stride(-1) != 1:
+        return None
+    if weight is not None and (not weight.is_contiguous() or weight.numel() != x.shape[-1]):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(1) != 1:
+        return None
+    fn = rms_norm_kernel()
+    if fn is None:
+        return None
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    fn(_ptr(rows), rows.stride(0), _ptr(out), out.stride(0), _ptr(weight) if weight is not None else None,
+       int(weight is not None and weight.dtype == torch.bfloat16), rows.shape[0], rows.shape[1], eps,
+       int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return out.view(x.shape)
+
+
+def attn_res(partial: torch.Tensor, blocks: list[torch.Tensor], block_cache: list[torch.Tensor],
+             query: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """:func:`tidal.model.attn_res.attn_res` with the pseudo-query ``query`` [d] (float32). A block
+    never changes once complete, so its inverse RMS is computed once, into ``block_cache`` (one
+    [T] tensor per block, in order; the caller keeps the list for the forward pass)."""
+    if not _applies(partial, *blocks) or not _rows_ok(partial) or any(
+            b.dtype != partial.dtype or not _rows_ok(b) or b.shape != partial.shape for b in blocks):
+        return None
+    fns = attn_res_kernels()
+    if fns is None or len(blocks) + 1 > 64:
+        return None
+    rows_fn, inv_fn = fns
+    T, D = partial.shape
+    bf16 = int(partial.dtype == torch.bfloat16)
+    if len(block_cache) > len(blocks) or any(c.shape[0] != T for c in block_cache):
+        return None
+    for b in blocks[len(block_cache):]:
+        inv = torch.empty(T, dtype=torch.float32)
+        inv_fn(_ptr(b), b.stride(0), T, D, eps, bf16, _ptr(inv))
+        block_cache.append(inv)
+    values = [*blocks, partial]
+    pointers = (ctypes.c_void_p * len(values))(*[_ptr(v) for v in values])
+    strides = (ctypes.c_int64 * len(values))(*[v.stride(0) for v in values])
+    inv = (ctypes.c_void_p * max(1, len(blocks)))(*[_ptr(c) for c in block_cache[: len(blocks)]])
+    out = torch.empty(T, D, dtype=partial.dtype)
+    rows_fn(pointers, strides, len(values), inv, _ptr(query), T, D, eps, bf16, _ptr(out), torch.get_num_threads())
+    return out
+
+
+def kda_layer_decode(
+    qkv: torch.Tensor, z: torch.Tensor, gate: torch.Tensor, b: torch.Tensor,
+    conv_state: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
+    conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+    o_norm_weight: torch.Tensor, eps: float,
+) -> torch.Tensor | None:
+    """The recurrent part of :class:`tidal.model.kda.KimiDeltaAttention` for one token per
+    sequence (token t of the step in state slot ``slots[t]``, all distinct): from the projections
+    qkv [T, 3P] (pre-conv), z = f_b(f_a(x)) [T, P], gate [T, P] (the output gate's input), b [T, H]
+    to the gated, normed o [T, P] float32 that o_proj reads. conv_state [N, W-1, 3P] and rec_state
+    [N, H, K, K] (float32) are updated in place; conv_weight [3P, W] float32, contiguous."""
+    T = qkv.shape[0]
+    N, H, K, V = rec_state.shape
+    W = conv_weight.shape[1]
+    if (not _applies(qkv, z, gate, b, conv_state) or rec_state.dtype != torch.float32 or rec_state.device.type != "cpu"
+            or V != K or K > MAX_HEAD_DIM or rec_state.stride()[1:] != (K * V, V, 1)
+            or conv_state.stride()[1:] != (conv_state.shape[2], 1) or conv_state.shape[1] != W - 1
+            or any(t.dtype != qkv.dtype or not _rows_ok(t) for t in (qkv, z, gate, b))
+            or (qkv.shape[1], z.shape[1], gate.shape[1], b.shape[1]) != (3 * H * K, H * K, H * K, H)
+            or slots.shape != (T,) or A_log.shape not in ((H, 1), (1, K))
+            or not conv_weight.is_contiguous() or conv_weight.dtype != torch.float32):
+        return None
+    fn = kda_layer_decode_kernel()
+    if fn is None:
+        return None
+    slots = slots.to(torch.int32).contiguous()
+    A_log, dt_bias, o_norm_weight = _float32(A_log), _float32(dt_bias), _float32(o_norm_weight)
+    out = torch.empty(T, H * K, dtype=torch.float32)
+    fn(_ptr(qkv), qkv.stride(0), _ptr(z), z.stride(0), _ptr(gate), gate.stride(0), _ptr(b), b.stride(0),
+       int(qkv.dtype == torch.bfloat16), _ptr(conv_state), conv_state.stride(0),
+       int(conv_state.dtype == torch.bfloat16), _ptr(rec_state), rec_state.stride(0), _ptr(slots),
+       _ptr(conv_weight), _ptr(A_log), int(A_log.shape == (H, 1)), _ptr(dt_bias),
+       0.0 if lower_bound is None else lower_bound, int(lower_bound is not None), _ptr(o_norm_weight), eps,
+       _ptr(out), T, H, K, W, torch.get_num_threads())
+    return out
