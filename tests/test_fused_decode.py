@@ -1,9 +1,12 @@
-"""The fused CPU decode kernels (tidal/ops/fused_decode.py: RMSNorm, Block AttnRes, the KDA layer
-step) against float64 token-by-token references on fresh random inputs; a row's bits alone == in a
-batch and at 1 == 2 threads; the torch form when they are off; the engine's greedy tokens with and
-without them (float32, the embedded model)."""
+"""The fused CPU decode kernels (tidal/ops/fused_decode.py: RMSNorm, the gated activations, Block
+AttnRes, the KDA layer step, the packed routed experts in one call; bfloat16 rows in and out of the
+bf16 GEMM) against float64 token-by-token references on fresh random inputs; a row's bits alone ==
+in a batch and at 1 == 2 threads; the torch form when they are off; the engine's greedy tokens with
+and without them (float32, the embedded model)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,16 +15,21 @@ from tidal import LLM, SamplingParams
 from tidal.embedded import embedded_model_dir
 from tidal.model.attn_res import attn_res
 from tidal.model.layers import rms_norm
-from tidal.ops import cpu_kernels, fused_decode
+from tidal.model.moe import Experts, PackedExperts, Router
+from tidal.ops import cpu_kernels, dense, fused_decode
+from tidal.ops.activation import situ, swiglu
 from tidal.ops.kda import kda_gate, kda_recurrent, l2_normalize
+from tidal.ops.mxfp import dequantize_mxfp4
 from tidal.ops.short_conv import causal_conv_step
+from tidal.presets import tiny_k3
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(autouse=True)
 def kernels_built():
-    if None in (cpu_kernels.rms_norm_kernel(), cpu_kernels.attn_res_kernels(), cpu_kernels.kda_layer_decode_kernel()):
+    if None in (cpu_kernels.rms_norm_kernel(), cpu_kernels.attn_res_kernels(), cpu_kernels.kda_layer_decode_kernel(),
+                cpu_kernels.activation_kernel(), cpu_kernels.bf16_rows_kernel()):
         pytest.skip("no C compiler here: the torch forms run")
 
 
@@ -68,6 +76,109 @@ def test_rms_norm_rows_are_bitwise_batch_and_thread_invariant():
     with threads(1):
         single = fused_decode.rms_norm(x, w, 1e-6)
     assert torch.equal(batch, alone) and torch.equal(batch, single)
+
+
+# ---- gated activations, bf16 GEMM rows, the router's weight ----------------------------------------
+
+
+def reference_activation(g: torch.Tensor, u: torch.Tensor, betas: tuple[float, float] | None) -> torch.Tensor:
+    g, u = g.double(), u.double()
+    if betas is None:
+        return g * torch.sigmoid(g) * u
+    beta, lbeta = betas
+    return beta * torch.tanh(g / beta) * torch.sigmoid(g) * lbeta * torch.tanh(u / lbeta)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("betas", [(4.0, 25.0), None])
+def test_gated_activation_matches_float64_on_views_of_one_projection(dtype, betas):
+    gen = torch.Generator().manual_seed(10)
+    gu = (8 * torch.randn(6, 2 * 45, generator=gen)).to(dtype)  # gate | up halves, as KimiMLP splits them
+    gate, up = gu[:, :45], gu[:, 45:]
+    out = fused_decode.gated_activation(gate, up, betas)
+    assert out is not None and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), reference_activation(gate, up, betas), rtol=tol, atol=tol)
+    model_form = situ(gate, up, *betas) if betas else swiglu(gate, up)
+    assert torch.equal(model_form, out)
+
+
+def test_gated_activation_rows_are_bitwise_batch_and_thread_invariant():
+    gen = torch.Generator().manual_seed(11)
+    g, u = 5 * torch.randn(40, 2000, generator=gen), 30 * torch.randn(40, 2000, generator=gen)
+    with threads(2):
+        batch = fused_decode.gated_activation(g, u, (4.0, 25.0))
+        alone = torch.cat([fused_decode.gated_activation(g[i : i + 1], u[i : i + 1], (4.0, 25.0)) for i in range(40)])
+    with threads(1):
+        single = fused_decode.gated_activation(g, u, (4.0, 25.0))
+    assert torch.equal(batch, alone) and torch.equal(batch, single)
+
+
+def test_bf16_rows_in_and_out_equal_the_float32_kernel_rounded():
+    """bfloat16 rows straight into the GEMM give the bits of widening them, the float32 kernel and
+    .to(bfloat16); strided rows too, and any leading shape through dense.linear."""
+    gen = torch.Generator().manual_seed(12)
+    w = torch.randn(70, 96, generator=gen).bfloat16()
+    x = torch.randn(9, 100, generator=gen).bfloat16()[:, 3:99]
+    with torch.inference_mode():
+        got = cpu_kernels.bf16_rows_kernel()(x, w)
+        want = cpu_kernels.bf16_gemm_kernel()(x.float(), w).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    x3 = x.contiguous().view(3, 3, 96)
+    assert torch.equal(dense.linear(x3, w), want.view(3, 3, 70))
+
+
+def test_router_weight_cast_follows_in_place_updates():
+    router = Router(tiny_k3())
+    with torch.no_grad():
+        router.weight.normal_(generator=torch.Generator().manual_seed(13))
+        router.weight.data = router.weight.data.bfloat16()
+        x = torch.randn(3, router.weight.shape[1]).bfloat16()
+        first = router(x)
+        router.weight.mul_(-1)  # an in-place write: the float32 copy is rebuilt
+        second = router(x)
+        fresh = Router(router.config)
+        fresh.weight.data = router.weight.data.clone()
+        fresh.e_score_correction_bias.data = router.e_score_correction_bias.data.clone()
+        assert torch.equal(second[0], fresh(x)[0]) and not torch.equal(first[0], second[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["situ", "swiglu"])
+def test_packed_experts_in_one_call_equal_the_grouped_path_bitwise(monkeypatch, dtype, act):
+    """PackedExperts.forward at 1, 3 and 40 tokens: the one-call kernel == the grouped-GEMM path,
+    bit for bit; both == the float64 experts within rounding; a token's
+    bits alone == in the batch."""
+    config = replace(tiny_k3(), hidden_act=act)
+    dense_experts = Experts(config)
+    torch.manual_seed(14)
+    for p in dense_experts.parameters():
+        p.data.normal_(0, 0.3)
+    packed = PackedExperts.from_dense(dense_experts)
+    E, k = config.num_experts, config.num_experts_per_token
+    gen = torch.Generator().manual_seed(15)
+    for T in (1, 3, 40):
+        h = torch.randn(T, config.expert_hidden_size, generator=gen).to(dtype)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+        w = torch.rand(T, k, generator=gen)
+        calls = []
+        with torch.inference_mode():
+            got = packed(h, ids, w)
+            alone = torch.cat([packed(h[t : t + 1], ids[t : t + 1], w[t : t + 1]) for t in range(T)])
+            with monkeypatch.context() as m:  # the grouped-GEMM path (its activation is the same C code)
+                m.setattr(fused_decode, "packed_experts", lambda *a: calls.append(1))
+                want = packed(h, ids, w)
+        assert calls and torch.equal(got, want) and torch.equal(got, alone)
+        ref = torch.zeros(T, h.shape[1], dtype=torch.float64)
+        deq = {leaf: torch.stack([dequantize_mxfp4(packed.target(leaf, "packed")[e], packed.target(leaf, "scale")[e],
+                                                   torch.float64) for e in range(E)]) for leaf in ("w1", "w3", "w2")}
+        for t in range(T):
+            for j in range(k):
+                e, x = ids[t, j], h[t].double()
+                g, u = deq["w1"][e] @ x, deq["w3"][e] @ x
+                a = reference_activation(g, u, (config.situ_beta, config.situ_linear_beta) if act == "situ" else None)
+                ref[t] += w[t, j].double() * (deq["w2"][e] @ a)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
 
 
 # ---- Block AttnRes -------------------------------------------------------------------------------

@@ -15,10 +15,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from tidal.config import ModelConfig
-from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, fuse_linears, linear
+from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, derived_weight, fuse_linears, linear
 from tidal.ops import backends, batch_invariant
 from tidal.ops.activation import can_overwrite, situ, swiglu
-from tidal.ops import dense, mxfp4_moe
+from tidal.ops import dense, fused_decode, mxfp4_moe
 from tidal.ops.cpu_kernels import grouped_gemm_for
 from tidal.ops.mxfp import BLOCK, quantize_mxfp4
 from tidal.ops.triton import use_triton
@@ -119,7 +119,7 @@ class Router(nn.Module):
         if batch_invariant.enabled():
             scores = batch_invariant.rowwise(torch.sigmoid, batch_invariant.linear(x.to(ct), self.weight))
         else:
-            scores = torch.sigmoid(x.to(ct) @ self.weight.to(ct).t())
+            scores = torch.sigmoid(x.to(ct) @ self._weight_in(ct).t())
         key = scores + self.e_score_correction_bias.to(ct)
         if c.num_expert_group > 1 and c.topk_group < c.num_expert_group:
             grouped = key.view(key.shape[0], c.num_expert_group, -1)
@@ -132,6 +132,14 @@ class Router(nn.Module):
         if c.moe_renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return ids, weights * c.routed_scaling_factor
+
+
+    def _weight_in(self, ct: torch.dtype) -> torch.Tensor:
+        """The router weight in ``ct``: a cast kept while the weight does not change (not under autograd)."""
+        w = self.weight
+        if w.dtype == ct or (torch.is_grad_enabled() and w.requires_grad):
+            return w.to(ct)
+        return derived_weight(self, f"_weight_{ct}", (w,), lambda: w.to(ct))
 
 
 def group_by_expert(
@@ -337,6 +345,13 @@ class PackedExperts(nn.Module):
             return backends.routed_experts(h, ids, weights, (self.w13_weight_packed, self.w13_weight_scale),
                                            (self.w2_weight_packed, self.w2_weight_scale),
                                            lambda g, u: activate(self.config, g, u))
+        if T and self.local_experts is None:  # one C call on the CPU (the same bits as below)
+            c = self.config
+            situ_betas = (c.situ_beta, c.situ_linear_beta) if c.hidden_act == "situ" else None
+            fused = fused_decode.packed_experts(h, ids, weights, (self.w13_weight_packed, self.w13_weight_scale),
+                                                (self.w2_weight_packed, self.w2_weight_scale), situ_betas)
+            if fused is not None:
+                return fused
         out = torch.zeros(T, h.shape[-1], dtype=compute_dtype(h.dtype), device=h.device)
         if T == 0:
             return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tidal.model.layers import compute_dtype
+from tidal.ops import fused_decode
 
 
 def can_overwrite(*tensors: torch.Tensor) -> bool:
@@ -14,6 +15,9 @@ def can_overwrite(*tensors: torch.Tensor) -> bool:
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    fused = fused_decode.gated_activation(gate, up, None)
+    if fused is not None:
+        return fused
     g, u = gate.to(compute_dtype(gate.dtype)), up.to(compute_dtype(up.dtype))
     a = torch.nn.functional.silu(g)
     return (a.mul_(u) if can_overwrite(g, u) else a * u).to(gate.dtype)
@@ -23,6 +27,9 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) 
     """beta*tanh(gate/beta)*sigmoid(gate) * linear_beta*tanh(up/linear_beta), in float32 or wider.
 
     Soft-clips the gate to +-beta and the up branch to +-linear_beta; tends to SwiGLU as both grow."""
+    fused = fused_decode.gated_activation(gate, up, (beta, linear_beta))
+    if fused is not None:
+        return fused
     g, u = gate.to(compute_dtype(gate.dtype)), up.to(compute_dtype(up.dtype))
     if not can_overwrite(g, u):
         a = beta * torch.tanh(g / beta) * torch.sigmoid(g)

@@ -226,6 +226,17 @@ def mxfp4_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Te
 
 
 @cache
+def mxfp4_moe_kernel() -> Callable | None:
+    """csrc/mxfp4_gemm.c's ``mxfp4_moe_tokens`` (a whole packed routed-expert sum), or None."""
+    fn = _function("mxfp4_gemm", "mxfp4_moe_tokens",
+                   [_PTR, _I64, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR,
+                    ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, ctypes.c_int])
+    if fn is not None:
+        fn.restype = ctypes.c_int
+    return fn
+
+
+@cache
 def bf16_gemm_kernel() -> Callable[..., torch.Tensor] | None:
     """The C float32-rows x bfloat16-weight product (see csrc/bf16_gemm.c), or None."""
     fn = _function("bf16_gemm", "bf16_gemm", [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int])
@@ -263,6 +274,34 @@ def attn_res_kernels() -> tuple[Callable, Callable] | None:
                      [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int, _PTR, ctypes.c_int])
     inv = _function("attn_res", "attn_res_inv_rms", [_PTR, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int, _PTR])
     return None if rows is None or inv is None else (rows, inv)
+
+
+@cache
+def bf16_rows_kernel() -> Callable[..., torch.Tensor] | None:
+    """The same product for bfloat16 rows, in and out (csrc/bf16_gemm.c's ``bf16_gemm_bf16``): the
+    bits of :func:`bf16_gemm_kernel` followed by ``.to(torch.bfloat16)``, without the two casts."""
+    fn = _function("bf16_gemm", "bf16_gemm_bf16", [_PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _PTR, ctypes.c_int])
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int
+
+    def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x = x if x.stride(1) == 1 else x.contiguous()
+        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+        if fn(_ptr(x), x.stride(0), x.shape[0], x.shape[1], _ptr(w), w.stride(0), w.shape[0], _ptr(out),
+              torch.get_num_threads()) != 0:
+            raise MemoryError(f"bf16_gemm: no scratch memory for {x.shape[0]} x {x.shape[1]} rows")
+        return out
+
+    return gemm
+
+
+@cache
+def activation_kernel() -> Callable | None:
+    """csrc/activation.c's ``gated_activation`` (SiTU / SwiGLU of rows), or None."""
+    return _function("activation", "gated_activation",
+                     [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, ctypes.c_int, ctypes.c_float, ctypes.c_float,
+                      ctypes.c_int, ctypes.c_int])
 
 
 @cache

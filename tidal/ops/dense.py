@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tidal.ops import batch_invariant
-from tidal.ops.cpu_kernels import bf16_gemm_kernel
+from tidal.ops.cpu_kernels import bf16_rows_kernel
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -23,7 +23,9 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             or w.stride(1) != 1 or x.numel() == 0
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return F.linear(x, w)
-    kernel = bf16_gemm_kernel()
+    kernel = bf16_rows_kernel()
     if kernel is None:
         return F.linear(x, w)
-    return kernel(x.reshape(-1, x.shape[-1]), w).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    if x.dim() == 2:
+        return kernel(x, w)
+    return kernel(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])

@@ -1,5 +1,6 @@
-"""One C call where a decode step ran a chain of small torch ops on the CPU: RMSNorm, Block AttnRes
-and the recurrent part of a KDA layer (csrc/rms_norm.c, attn_res.c, kda_layer_decode.c).
+"""One C call where a decode step ran a chain of small torch ops on the CPU: RMSNorm, the gated MLP
+activations, Block AttnRes, the recurrent part of a KDA layer and the packed routed experts
+(csrc/rms_norm.c, activation.c, attn_res.c, kda_layer_decode.c, mxfp4_gemm.c).
 
 At batch 1 a step's work per op is a few hundred values, so its time went to dispatching ~2,000
 aten calls, not to arithmetic. Each function here takes the arguments of the model's math and
@@ -15,7 +16,14 @@ import ctypes
 
 import torch
 
-from tidal.ops.cpu_kernels import attn_res_kernels, fused_decode_enabled, kda_layer_decode_kernel, rms_norm_kernel
+from tidal.ops.cpu_kernels import (
+    activation_kernel,
+    attn_res_kernels,
+    fused_decode_enabled,
+    kda_layer_decode_kernel,
+    mxfp4_moe_kernel,
+    rms_norm_kernel,
+)
 
 _DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 1024  # the kernel's per-head arrays live on its stack
@@ -57,6 +65,51 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
        int(weight is not None and weight.dtype == torch.bfloat16), rows.shape[0], rows.shape[1], eps,
        int(x.dtype == torch.bfloat16), torch.get_num_threads())
     return out.view(x.shape)
+
+
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, situ_betas: tuple[float, float] | None
+                     ) -> torch.Tensor | None:
+    """:func:`tidal.ops.activation.situ` (``situ_betas`` = (beta, linear_beta)) or, for None,
+    :func:`~tidal.ops.activation.swiglu` of gate and up [M, N] (rows of any stride) -> [M, N] in
+    gate's dtype."""
+    if (not _applies(gate, up) or up.dtype != gate.dtype or not _rows_ok(gate) or not _rows_ok(up)
+            or up.shape != gate.shape):
+        return None
+    fn = activation_kernel()
+    if fn is None:
+        return None
+    M, N = gate.shape
+    out = torch.empty(M, N, dtype=gate.dtype)
+    beta, linear_beta = situ_betas if situ_betas is not None else (1.0, 1.0)
+    fn(_ptr(gate), gate.stride(0), _ptr(up), up.stride(0), _ptr(out), M, N, int(situ_betas is not None), beta,
+       linear_beta, int(gate.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+def packed_experts(
+    h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tuple[torch.Tensor, torch.Tensor],
+    w2: tuple[torch.Tensor, torch.Tensor], situ_betas: tuple[float, float] | None,
+) -> torch.Tensor | None:
+    """:meth:`tidal.model.moe.PackedExperts.forward` (all experts local) in one call: h [T, d], ids
+    [T, k], weights [T, k] -> float32 [T, d], the same bits as the grouped-GEMM path."""
+    (p13, s13), (p2, s2) = w13, w2
+    if (not _applies(h) or not _rows_ok(h) or ids.shape != weights.shape or ids.dim() != 2
+            or any(t.device.type != "cpu" or not t.is_contiguous() for t in (p13, s13, p2, s2))):
+        return None
+    fn = mxfp4_moe_kernel()
+    if fn is None:
+        return None
+    T, k = ids.shape
+    E, two_i, _ = p13.shape
+    ids = ids.to(torch.int64).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    out = torch.empty(T, h.shape[1], dtype=torch.float32)
+    beta, linear_beta = situ_betas if situ_betas is not None else (1.0, 1.0)
+    if fn(_ptr(h), h.stride(0), int(h.dtype == torch.bfloat16), T, h.shape[1], _ptr(ids), _ptr(weights), k, E,
+          _ptr(p13), _ptr(s13), two_i // 2, _ptr(p2), _ptr(s2), int(situ_betas is not None), beta, linear_beta,
+          _ptr(out), torch.get_num_threads()) != 0:
+        raise ValueError(f"routed experts: expert ids outside [0, {E}) or no scratch memory for {T} tokens")
+    return out
 
 
 def attn_res(partial: torch.Tensor, blocks: list[torch.Tensor], block_cache: list[torch.Tensor],

@@ -30,7 +30,8 @@ void attn_res_inv_rms(const void *x, int64_t stride, int64_t T, int64_t D, float
 }
 
 void attn_res_rows(const void *const *values, const int64_t *strides, int64_t n_values,
-                   const float *const *block_inv_rms, const float *query, int64_t T, int64_t D, float eps, int is_bf16, void *out, int num_threads) {
+                   const float *const *block_inv_rms, const float *query, int64_t T, int64_t D, float eps,
+                   int is_bf16, void *out, int num_threads) {
     const int64_t es = is_bf16 ? 2 : 4;
     if (n_values > MAX_VALUES) return;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && T * D * n_values >= 65536)

@@ -5,10 +5,14 @@
  * The register tiles and the summation order are row_tiles.h's: a row's result is bitwise
  * independent of the other rows, M and the thread count. bf16 -> float32 is a 16-bit shift, done in
  * registers; a tile's weight rows stay in L1 while a block of rows (in L2) passes under them. Work
- * items are (row block, weight-row chunk) pairs split over threads.
+ * items are (row block, weight-row chunk) pairs split over threads. bf16_gemm_bf16: bfloat16 rows in
+ * and out, for the bf16 trunk without float32 copies around the call.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "bf16_scalar.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -44,4 +48,25 @@ void bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t 
         const int64_t t1 = t0 + mb < M ? t0 + mb : M, j1 = j0 + COL_CHUNK < N ? j0 + COL_CHUNK : N;
         rows_times_panel(x, K, t0, t1, w + j0 * w_stride, w_stride, j0, j1, out, N);
     }
+}
+
+/* bfloat16 rows in and out (x [M, K] at row stride x_stride, out [M, N] contiguous): the rows are
+ * widened to float32 (exact), multiplied as above, and the float32 sums rounded to nearest even,
+ * the bits of bf16_gemm followed by torch's .to(torch.bfloat16). Returns 0, or -1 when the
+ * scratch buffers cannot be allocated. */
+int bf16_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, const uint16_t *w, int64_t w_stride,
+                   int64_t N, uint16_t *out, int num_threads) {
+    float *xf = malloc((size_t)(M * K) * sizeof(float)), *of = malloc((size_t)(M * N) * sizeof(float));
+    if (xf == NULL || of == NULL) {
+        free(xf);
+        free(of);
+        return -1;
+    }
+    for (int64_t t = 0; t < M; t++)
+        for (int64_t k = 0; k < K; k++) xf[t * K + k] = bf16_to_float(x[t * x_stride + k]);
+    bf16_gemm(xf, M, K, w, w_stride, N, of, num_threads);
+    for (int64_t i = 0; i < M * N; i++) out[i] = float_to_bf16(of[i]);
+    free(xf);
+    free(of);
+    return 0;
 }

@@ -13,6 +13,8 @@
  *
  * mxfp4_dequantize: the experts' weights as float32 [G, N, K].
  *
+ * mxfp4_moe_tokens: a whole routed-expert sum (tidal.model.moe.PackedExperts.forward) in one call.
+ *
  * Built with -march=native where AVX2+FMA exist; the portable build (TIDAL_CPU_PORTABLE=1, or the
  * fallback when the native build fails) uses plain C loops with the same summation order.
  * Threads wait passively (no spin barriers): see tidal.ops.cpu_kernels.
@@ -29,6 +31,9 @@
 #define TILE_W float
 #define TILE_VALUE(v) (v)
 #include "row_tiles.h"
+
+#include "bf16_scalar.h"
+#include "gated_act.h"
 
 static inline float e8m0(uint8_t s) {
     uint32_t bits = s == 0 ? (1u << 22) : ((uint32_t)s << 23);
@@ -115,4 +120,63 @@ void mxfp4_dequantize(const int64_t *experts, int64_t G, const uint8_t *packed, 
         const int64_t e = experts[g];
         decode_block(packed + (e * blocks + b) * 16, scales[e * blocks + b], out + (g * blocks + b) * 32);
     }
+}
+
+/* The routed experts of T tokens: token t's rows h[t] (d values at row stride h_stride, float32 or
+ * bfloat16) go to experts ids[t, :k] (int64 in [0, E)) with weights w[t, :k] (float32); w13
+ * [E, 2I, d/2] packed (+ scales [E, 2I, d/32]) gives gate | up, w2 [E, d, I/2] (+ scales) the
+ * down projection; out[t] (float32 [T, d], zeroed here) = sum over t's experts in ascending order
+ * of w * expert(h[t]). The slots are sorted by expert (stable), so the products, the activation
+ * (gated_act.h) and the sums are those of the torch form bit for bit: the grouped GEMM's rows do
+ * not depend on the groups. Returns 0, or -1 when scratch memory cannot be allocated. */
+int mxfp4_moe_tokens(const void *h, int64_t h_stride, int h_bf16, int64_t T, int64_t d, const int64_t *ids,
+                     const float *w, int64_t k, int64_t E, const uint8_t *w13, const uint8_t *w13_scales, int64_t I,
+                     const uint8_t *w2, const uint8_t *w2_scales, int act_kind, float beta, float linear_beta,
+                     float *out, int num_threads) {
+    const int64_t S = T * k, es = h_bf16 ? 2 : 4;
+    int64_t *count = calloc((size_t)E + 1, sizeof(int64_t)), *slot = malloc(sizeof(int64_t) * (size_t)S);
+    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)(E + 1)), *experts = malloc(sizeof(int64_t) * (size_t)E);
+    float *x = malloc(sizeof(float) * (size_t)(S * d)), *gu = malloc(sizeof(float) * (size_t)(S * 2 * I));
+    float *act = malloc(sizeof(float) * (size_t)(S * I)), *y = malloc(sizeof(float) * (size_t)(S * d));
+    int status = -1;
+    if (!count || !slot || !offsets || !experts || !x || !gu || !act || !y) goto done;
+    for (int64_t i = 0; i < S; i++) {
+        if (ids[i] < 0 || ids[i] >= E) goto done;
+        count[ids[i] + 1]++;
+    }
+    for (int64_t e = 0; e < E; e++) count[e + 1] += count[e];  /* count[e]: first sorted slot of expert e */
+    int64_t G = 0;
+    for (int64_t e = 0; e < E; e++)
+        if (count[e + 1] > count[e]) {
+            offsets[G] = count[e];
+            experts[G++] = e;
+        }
+    offsets[G] = S;
+    for (int64_t i = 0; i < S; i++) slot[count[ids[i]]++] = i;  /* stable counting sort */
+    for (int64_t s = 0; s < S; s++) {
+        const char *row = (const char *)h + (slot[s] / k) * h_stride * es;
+        for (int64_t c = 0; c < d; c++) x[s * d + c] = load_value(row, c, h_bf16);
+    }
+    mxfp4_grouped_gemm(x, d, offsets, experts, G, w13, w13_scales, 2 * I, gu, num_threads);
+    for (int64_t s = 0; s < S; s++)
+        for (int64_t c = 0; c < I; c++)
+            act[s * I + c] = gated_act(gu[s * 2 * I + c], gu[s * 2 * I + I + c], act_kind, beta, linear_beta);
+    mxfp4_grouped_gemm(act, I, offsets, experts, G, w2, w2_scales, d, y, num_threads);
+    memset(out, 0, sizeof(float) * (size_t)(T * d));
+    for (int64_t s = 0; s < S; s++) {
+        float *o = out + (slot[s] / k) * d;
+        const float ws = w[slot[s]];
+        for (int64_t c = 0; c < d; c++) o[c] += y[s * d + c] * ws;
+    }
+    status = 0;
+done:
+    free(count);
+    free(slot);
+    free(offsets);
+    free(experts);
+    free(x);
+    free(gu);
+    free(act);
+    free(y);
+    return status;
 }
