@@ -133,7 +133,6 @@ class Router(nn.Module):
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return ids, weights * c.routed_scaling_factor
 
-
     def _weight_in(self, ct: torch.dtype) -> torch.Tensor:
         """The router weight in ``ct``: a cast kept while the weight does not change (not under autograd)."""
         w = self.weight
