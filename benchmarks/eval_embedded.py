@@ -1,15 +1,25 @@
-"""The embedded model's measured figures (README "Embedded model").
+"""The embedded model's measured figures (README "The embedded model"), for one or more models on
+the same held-out prompts and text.
 
-    python benchmarks/eval_embedded.py [--model DIR] [--twin /tmp/tidal-fp32] [--run-dir /tmp/tidal-train]
+    python benchmarks/eval_embedded.py [--model DIR] [--baseline OLD_DIR] [--twin /tmp/tidal-fp32] [--run-dir RUN]
 
-- held-out loss / perplexity on the held-out stdlib modules vs a unigram baseline fitted on the
-  training tokens (from --run-dir's corpus.pt, else rebuilt with the default recipe);
-- share of greedy completions of --headers held-out function headers that ``ast`` parses;
-- share of --tool-prompts held-out tool-use prompts whose reply parses (server K3 parser) into a
-  valid call of the right tool;
-- with --twin (the fp32 checkpoint ``tidal train --export`` wrote): its held-out loss and the
-  MXFP4 - fp32 gap.
---model defaults to the shipped embedded checkpoint, loaded in float32 as ``tidal generate`` does.
+Per model (through the engine, as the server runs it: float32 trunk, MXFP4 experts packed):
+
+- held-out loss on the 12 held-out stdlib modules, in nats per token and nats per byte (UTF-8
+  bytes of the modules' text: comparable across tokenizers); with --run-dir, the unigram baseline
+  fitted on that run's training tokens;
+- bare signatures: share of greedy completions of the 40 held-out signatures
+  (tidal.train.code_tasks.HELDOUT_SIGNATURES, no docstring) that parse with ``ast`` and hold a
+  statement besides ``pass``: prompt without the trailing newline, with it, and with it
+  token-healed (the server's default for /v1/completions);
+- tool choice: share of the 40 held-out two-/three-tool prompts (tools and values training never
+  declares, default effort ``low``) answered with a call of the right tool whose arguments are a
+  JSON object matching the declared schema; and the older metric, 50 prompts over the nine named
+  tools with held-out values (effort ``max``);
+- the README's chat example ("Write a Python function that reverses a list.") at the model's
+  default effort: a closed fenced code block that parses within 64 tokens;
+- the older header metric: greedy completions of 100 held-out stdlib function headers that parse;
+- with --twin (the fp32 checkpoint ``tidal train --export`` wrote): the MXFP4 - fp32 loss gap.
 """
 
 from __future__ import annotations
@@ -17,23 +27,82 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import time
 from pathlib import Path
 
 import torch
 
 from tidal.model.checkpoint import load_model
+from tidal.serve.cli import model_default_effort
 from tidal.tokenizer import load_tokenizer
-from tidal.train.data import Corpus, build_corpus, conversation_prompts, load_sources
-from tidal.train.evaluate import function_headers, header_rate, stream_loss, tool_rates, unigram_loss
+from tidal.train.code_tasks import HELDOUT_SIGNATURES
+from tidal.train.data import Corpus, load_sources
+from tidal.train.evaluate import (
+    function_headers, header_rate, pool_tool_rates, readme_chat, signature_rates, stream_loss, tool_rates,
+    unigram_loss,
+)
 
 
-def corpus_for(tokenizer, run_dir: str | None) -> Corpus:
-    """The run's tokenised corpus, or the default recipe's (seed 0, 6000 conversations) rebuilt."""
-    if run_dir and (Path(run_dir) / "corpus.pt").exists():
-        return Corpus.load(Path(run_dir) / "corpus.pt")
-    sources = load_sources()
-    return build_corpus(tokenizer, sources, conversation_prompts(0, 6000, sources), tokenizer.token_id("[EOS]"))
+def heldout_stream(tokenizer, texts: list[str]) -> torch.Tensor:
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer.encode(text) + [tokenizer.token_id("[EOS]")]
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def evaluate(model_dir: str, args: argparse.Namespace, show: int) -> dict:
+    from tidal import LLM
+
+    t0 = time.perf_counter()
+    tok = load_tokenizer(model_dir)
+    heldout = load_sources().heldout
+    texts = [t for _, t in sorted(heldout.items())]
+    stream = heldout_stream(tok, texts)
+    n_bytes = sum(len(t.encode()) for t in texts)
+    model = load_model(model_dir, torch.float32)
+    res: dict = {"model": model_dir}
+    loss, n = stream_loss(model, stream, args.seq_len)
+    res.update(heldout_tokens=n, heldout_bytes=n_bytes, heldout_loss=loss, heldout_nats_per_byte=loss * n / n_bytes)
+    print(f"[{model_dir}] held-out loss {loss:.4f} nats/token, {loss * n / n_bytes:.4f} nats/byte "
+          f"({n} tokens, {n_bytes} bytes)")
+    if args.run_dir:
+        corpus = Corpus.load(Path(args.run_dir) / "corpus.pt")
+        uni = unigram_loss(corpus.token_counts(model.config.vocab_size), stream)
+        res.update(unigram_loss=uni)
+        print(f"  unigram baseline {uni:.4f} nats/token")
+    if args.twin:
+        twin_loss, _ = stream_loss(load_model(args.twin, torch.float32), stream, args.seq_len)
+        res.update(twin=args.twin, twin_loss=twin_loss, mxfp4_gap=loss - twin_loss)
+        print(f"  fp32 twin {twin_loss:.4f}; MXFP4 - fp32 gap {loss - twin_loss:+.4f} nats/token")
+
+    headers = function_headers(heldout, 100)
+    rate, _ = header_rate(model, tok, headers)
+    res.update(header_parse_rate=rate)
+    print(f"  held-out stdlib headers (older metric): {rate:.1%} of {len(headers)} parse")
+    del model
+
+    llm = LLM(model_dir)
+    sig = signature_rates(llm, HELDOUT_SIGNATURES)
+    res.update({f"signature_{k}": v for k, v in sig.items() if not k.endswith("_texts")})
+    print(f"  bare signatures ({len(HELDOUT_SIGNATURES)}): {sig['no_newline']:.1%} without newline, "
+          f"{sig['newline']:.1%} with, {sig['newline_healed']:.1%} with + token healing")
+    for text in sig["newline_texts"][:show]:
+        print(f"  --- {text!r}")
+    ok, named, replies = pool_tool_rates(llm, 40)
+    res.update(pool_tool_call_rate=ok, pool_tool_name_rate=named)
+    print(f"  held-out 2/3-tool prompts (40): {ok:.1%} right tool with schema-valid arguments ({named:.1%} right tool)")
+    for r in replies[:show]:
+        print(f"  --- {r!r}")
+    ok9, named9, _ = tool_rates(load_model(model_dir, torch.float32), tok, 50)
+    res.update(tool_call_rate=ok9, tool_name_rate=named9)
+    print(f"  nine named tools, held-out values (older metric, 50): {ok9:.1%} valid right-tool calls ({named9:.1%} right tool)")
+    effort = model_default_effort(Path(model_dir))
+    good, reply = readme_chat(llm, effort)
+    res.update(readme_chat_ok=good, readme_chat_effort=effort, readme_chat_reply=reply)
+    print(f"  README chat example at effort {effort}: {'parses' if good else 'NO parsing code block'} within 64 tokens: {reply!r}")
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    return res
 
 
 def main() -> None:
@@ -41,50 +110,22 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(embedded_model_dir()))
-    ap.add_argument("--twin", default=None, help="fp32 twin checkpoint for the MXFP4 loss gap")
-    ap.add_argument("--run-dir", default=None, help="training run directory holding corpus.pt")
-    ap.add_argument("--headers", type=int, default=100)
-    ap.add_argument("--tool-prompts", type=int, default=50)
+    ap.add_argument("--baseline", default=None, help="another checkpoint measured the same way (e.g. the previous model)")
+    ap.add_argument("--twin", default=None, help="fp32 twin of --model for the MXFP4 loss gap")
+    ap.add_argument("--run-dir", default=None, help="training run directory (corpus.pt) for the unigram baseline")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--show", type=int, default=3, help="print this many sample completions of each kind")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-
-    t0 = time.perf_counter()
-    tok = load_tokenizer(args.model)
-    corpus = corpus_for(tok, args.run_dir)
-    model = load_model(args.model, torch.float32)
-    res: dict[str, float | int | str] = {"model": args.model}
-    loss, n = stream_loss(model, corpus.heldout, args.seq_len)
-    uni = unigram_loss(corpus.token_counts(model.config.vocab_size), corpus.heldout)
-    res.update(heldout_tokens=n, heldout_loss=loss, heldout_ppl=math.exp(loss), unigram_loss=uni, unigram_ppl=math.exp(uni))
-    print(f"held-out loss {loss:.4f} nats/token (ppl {math.exp(loss):.1f}) over {n} tokens; "
-          f"unigram baseline {uni:.4f} (ppl {math.exp(uni):.1f})")
-    if args.twin:
-        twin = load_model(args.twin, torch.float32)
-        twin_loss, _ = stream_loss(twin, corpus.heldout, args.seq_len)
-        res.update(twin=args.twin, twin_loss=twin_loss, mxfp4_gap=loss - twin_loss)
-        print(f"fp32 twin held-out loss {twin_loss:.4f}; MXFP4 - fp32 gap {loss - twin_loss:+.4f} nats/token")
-
-    headers = function_headers(load_sources().heldout, args.headers)
-    rate, texts = header_rate(model, tok, headers)
-    res.update(headers=len(headers), header_parse_rate=rate)
-    print(f"function headers: {rate:.1%} of {len(headers)} greedy completions parse with ast")
-    for h, t in list(zip(headers, texts))[: args.show]:
-        print(f"--- {h}{t}")
-
-    ok, named, replies = tool_rates(model, tok, args.tool_prompts)
-    res.update(tool_prompts=args.tool_prompts, tool_call_rate=ok, tool_name_rate=named)
-    print(f"tool use: {ok:.1%} of {args.tool_prompts} held-out prompts give a valid call of the right tool "
-          f"({named:.1%} name the right tool)")
-    for r in replies[: args.show]:
-        print(f"--- {r}")
-    res["seconds"] = round(time.perf_counter() - t0, 1)
-    print(f"({res['seconds']} s)")
+    random.seed(0)
+    results = [evaluate(args.model, args, args.show)]
+    if args.baseline:
+        base_args = argparse.Namespace(**{**vars(args), "twin": None})
+        results.append(evaluate(args.baseline, base_args, 0))
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        Path(args.json).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

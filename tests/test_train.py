@@ -119,9 +119,9 @@ def test_stdlib_split_holds_out_the_fixed_modules():
 def test_sample_batch_is_a_function_of_seed_and_step():
     corpus = Corpus(torch.arange(1000, dtype=torch.int32), torch.arange(5000, 5600, dtype=torch.int32),
                     torch.tensor([0, 150, 300, 450]), torch.arange(10, dtype=torch.int32))
-    a = sample_batch(corpus, 0, 7, 16, 32, 0.5)
-    assert torch.equal(a, sample_batch(corpus, 0, 7, 16, 32, 0.5))
-    assert not torch.equal(a, sample_batch(corpus, 0, 8, 16, 32, 0.5))
+    a, mask = sample_batch(corpus, 0, 7, 16, 32, 0.5)
+    assert torch.equal(a, sample_batch(corpus, 0, 7, 16, 32, 0.5)[0]) and bool(mask.all())
+    assert not torch.equal(a, sample_batch(corpus, 0, 8, 16, 32, 0.5)[0])
     chat_rows = a[a[:, 0] >= 5000]
     assert len(chat_rows) and set((chat_rows[:, 0] - 5000).tolist()) <= {0, 150, 300, 450}
 
@@ -153,6 +153,7 @@ def test_heldout_tool_prompts_use_unseen_values():
     train_text = " ".join(tool_dialogue(random.Random(i)).render().text for i in range(300))
     for conv in heldout_tool_prompts(random.Random(0), 30):
         assert conv.tool in TOOLS and len(conv.messages) == 1
+    assert all(TOOLS[c.tool] for c in heldout_tool_prompts(random.Random(0), 5))
     assert "Helsinki" not in train_text and "nadia@" not in train_text
 
 
@@ -192,16 +193,50 @@ def test_resume_equals_uninterrupted_run(smoke, tmp_path):
     straight.run(log=lambda _: None)
     first = Trainer(config, corpus, TrainConfig(**{**cfg.__dict__, "time_limit_s": 0.0}), tmp_path / "b")
     first.run(log=lambda _: None)  # stops before any step, checkpoints step 0
-    for _ in range(3):
-        first.train_step()
-        first.load.balance(cfg.balance_rate)
-    first.save()
+    cut = Trainer(config, corpus, TrainConfig(**{**cfg.__dict__, "stop_at": 3}), tmp_path / "b")
+    assert cut.resume() and cut.step == 0
+    cut.run(log=lambda _: None)  # --stop-at: steps 0..2, checkpoint at step 3
+    assert cut.step == 3
     resumed = Trainer(config, corpus, cfg, tmp_path / "b")
     assert resumed.resume() and resumed.step == 3
     resumed.run(log=lambda _: None)
     a, b = plain_state_dict(straight.model), plain_state_dict(resumed.model)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_init_from_a_checkpoint_starts_from_its_weights(smoke, tmp_path):
+    """--init: the fine-tune's master weights are the checkpoint's (MXFP4 experts dequantised
+    exactly), and its first steps train them."""
+    run, fp32 = smoke
+    assert quantize_cli.main([str(fp32), str(tmp_path / "q")]) == 0
+    tok = load_tokenizer(run)
+    corpus = Corpus.load(run / "corpus.pt")
+    cfg = TrainConfig(steps=2, batch_size=2, seq_len=32, warmup=1, lr=1e-3, eval_every=0, log_every=100, save_every=100)
+    trainer = Trainer(train_cli.model_config("tiny", tok), corpus, cfg, tmp_path / "ft")
+    trainer.init_from(tmp_path / "q")
+    want = load_model(tmp_path / "q", torch.float32).state_dict()
+    got = plain_state_dict(trainer.model)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k].float(), rtol=0, atol=0)
+    trainer.run(log=lambda _: None)
+    assert not torch.equal(plain_state_dict(trainer.model)["model.embed_tokens.weight"], want["model.embed_tokens.weight"])
+
+
+def test_export_blends_with_a_checkpoint(smoke, tmp_path):
+    """--blend-with: the exported weights are weight * trained + (1 - weight) * the other checkpoint's."""
+    run, fp32 = smoke
+    tok = load_tokenizer(run)
+    cfg = TrainConfig(steps=1, batch_size=2, seq_len=32, warmup=1, lr=1e-2, eval_every=0, log_every=100, save_every=100)
+    trainer = Trainer(train_cli.model_config("tiny", tok), Corpus.load(run / "corpus.pt"), cfg, tmp_path / "ft")
+    trainer.run(log=lambda _: None)
+    mine, theirs = plain_state_dict(trainer.model), load_model(fp32, torch.float32).state_dict()
+    train_cli.export(trainer, run, tmp_path / "blend", str(fp32), 0.25)
+    got = load_model(tmp_path / "blend", torch.float32).state_dict()
+    for k in theirs:
+        if theirs[k].is_floating_point():
+            torch.testing.assert_close(got[k], 0.25 * mine[k] + 0.75 * theirs[k], rtol=1e-6, atol=1e-7)
+    assert not torch.equal(got["model.embed_tokens.weight"], theirs["model.embed_tokens.weight"])
 
 
 def test_quantize_writes_exact_mxfp4_experts(smoke, tmp_path):

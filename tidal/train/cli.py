@@ -3,20 +3,19 @@
 A run directory (--out) holds everything: the tokenizer, the tokenised corpus, ``state.pt``
 (weights + optimizer + step) and ``train_log.jsonl``. Running the same command again resumes from
 ``state.pt``; --time-limit stops a run early (after a checkpoint), so a long schedule can be spread
-over several runs. --export writes the fp32 checkpoint (dense experts) with its tokenizer; then
-``tidal quantize`` makes the MXFP4 one. The embedded model was made by two runs (the second
-resumes the first and stretches its schedule to 1450 steps, half of its rows conversations)::
-
-    export OMP_WAIT_POLICY=PASSIVE  # 2 threads on a shared 2-core machine: no spinning at barriers
-    nice -n 10 tidal train --out /tmp/tidal-train --time-limit 60 --export /tmp/tidal-fp32
-    nice -n 10 tidal train --out /tmp/tidal-train --steps 1450 --chat-fraction 0.5 --time-limit 40 --export /tmp/tidal-fp32
-    tidal quantize /tmp/tidal-fp32 tidal/assets/embedded
+over several runs, and --stop-at N repeats a run that a time limit cut at step N. --init starts a
+fine-tune from a checkpoint directory (its tokenizer, its weights with MXFP4 experts dequantised
+into the float32 master weights; QAT continues). Conversation rows carry loss only on the
+assistant's tokens. --export writes the fp32 checkpoint (dense experts) with its tokenizer; then
+``tidal quantize`` makes the MXFP4 one. The README ("The embedded model") gives the recipe of the
+shipped model.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import sys
 import time
@@ -48,10 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--chat-fraction", type=float, default=d.chat_fraction, help="share of rows that are conversations")
+    p.add_argument("--body-fraction", type=float, default=d.body_fraction,
+                   help="share of rows that start at a standalone function (signature, then its body)")
+    p.add_argument("--init", default=None,
+                   help="fine-tune: start from this checkpoint directory (its tokenizer too) instead of random weights")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (measured slower on CPU for this model)")
     p.add_argument("--no-qat", action="store_true", help="train experts without MXFP4 fake quantisation")
     p.add_argument("--time-limit", type=float, default=None, help="stop (and checkpoint) after this many minutes")
+    p.add_argument("--stop-at", type=int, default=None,
+                   help="stop (and checkpoint) at this step of the schedule: repeats a run that a time limit cut short")
     p.add_argument("--save-every", type=int, default=d.save_every)
     p.add_argument("--log-every", type=int, default=d.log_every)
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="held-out loss every N steps (0: never)")
@@ -59,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", type=int, default=6000, help="synthetic conversations to generate")
     p.add_argument("--max-modules", type=int, default=None, help="use only the first N training modules (tests)")
     p.add_argument("--export", default=None, help="write the fp32 checkpoint + tokenizer here when done")
+    p.add_argument("--blend-with", default=None,
+                   help="--export a weight-space blend of the trained weights with this checkpoint (e.g. --init's)")
+    p.add_argument("--blend", type=float, default=0.5, help="with --blend-with: the trained weights' share")
     p.add_argument("--fresh", action="store_true", help="ignore an existing state.pt")
     return p
 
@@ -83,11 +91,13 @@ def model_config(size: str, tokenizer: Any) -> ModelConfig:
 def prepare(out: Path, args: argparse.Namespace, log: Any) -> tuple[Any, Any]:
     """Tokenizer and corpus of the run directory, built once (and checked on resume)."""
     from tidal.tokenizer import load_tokenizer
-    from tidal.train.data import Corpus, build_corpus, conversation_prompts, load_sources
+    from tidal.train.data import Corpus, build_corpus, conversation_prompts, function_snippets, load_sources
     from tidal.train.tokenizer_train import save_tokenizer, train_tokenizer
 
     recipe = {"seed": args.seed, "vocab_size": args.vocab_size, "conversations": args.conversations,
               "max_modules": args.max_modules, "python": sys.version.split()[0]}
+    if args.init:
+        recipe["init"] = str(Path(args.init).resolve())
     marker = out / PREPARE_FILE
     if marker.exists() and (out / CORPUS_FILE).exists():
         saved = json.loads(marker.read_text())
@@ -99,23 +109,45 @@ def prepare(out: Path, args: argparse.Namespace, log: Any) -> tuple[Any, Any]:
     if args.max_modules is not None:
         sources.train = dict(sorted(sources.train.items())[: args.max_modules])
     chats = conversation_prompts(args.seed, args.conversations, sources)
-    tok = train_tokenizer([*sources.train.values(), *(c.text for c in chats)], args.vocab_size)
-    save_tokenizer(tok, out)
+    if args.init:  # a fine-tune keeps its checkpoint's tokenizer
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(Path(args.init) / name, out / name)
+    else:
+        save_tokenizer(train_tokenizer([*sources.train.values(), *(c.text for c in chats)], args.vocab_size), out)
     tokenizer = load_tokenizer(out)
-    corpus = build_corpus(tokenizer, sources, chats, tokenizer.token_id("[EOS]"))
+    snippets = function_snippets(sources.train, random.Random(f"{args.seed}/snippets"))
+    corpus = build_corpus(tokenizer, sources, chats, tokenizer.token_id("[EOS]"), snippets, args.seed)
     corpus.save(out / CORPUS_FILE)
     marker.write_text(json.dumps(recipe))
     log(f"prepared {len(sources.train)} training modules ({len(corpus.code)} tokens), {len(chats)} conversations "
-        f"({len(corpus.chat)} tokens), {len(sources.heldout)} held-out modules ({len(corpus.heldout)} tokens) "
-        f"in {time.perf_counter() - t0:.1f} s")
+        f"({len(corpus.chat)} tokens, {int(corpus.chat_mask.sum())} of them the assistant's), "
+        f"{len(snippets)} function snippets ({len(corpus.body)} tokens), "
+        f"{len(sources.heldout)} held-out modules ({len(corpus.heldout)} tokens) in {time.perf_counter() - t0:.1f} s")
     return tokenizer, corpus
 
 
-def export(trainer: Trainer, run_dir: Path, dst: str | Path) -> Path:
-    """The fp32 twin: master weights, dense experts, with the run's tokenizer."""
+def blend_into(model: torch.nn.Module, other_dir: str | Path, weight: float) -> None:
+    """Weight-space blend of a fine-tune with its starting checkpoint (a "model soup"):
+    ``weight * model + (1 - weight) * other`` for every floating tensor, in place. Fine-tuning
+    from ``other`` keeps both in one basin, so the blend keeps most of what each does well."""
+    from tidal.model.checkpoint import load_model
+
+    theirs = load_model(other_dir, torch.float32).state_dict()
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if t.is_floating_point():
+                t.mul_(weight).add_(theirs[name].float(), alpha=1 - weight)
+
+
+def export(trainer: Trainer, run_dir: Path, dst: str | Path, blend_with: str | None = None, blend: float = 1.0) -> Path:
+    """The fp32 twin: master weights (blended with ``blend_with`` when given), dense experts,
+    with the run's tokenizer."""
     from tidal.model.checkpoint import save_model
 
-    out = save_model(trainer.inference_model(), dst, expert_format="dense", dtype=torch.float32)
+    model = trainer.inference_model()
+    if blend_with is not None:
+        blend_into(model, blend_with, blend)
+    out = save_model(model, dst, expert_format="dense", dtype=torch.float32)
     for name in TOKENIZER_FILES:
         shutil.copyfile(run_dir / name, out / name)
     return out
@@ -137,20 +169,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup,
-        seed=args.seed, chat_fraction=args.chat_fraction, qat=not args.no_qat, bf16=args.bf16,
+        seed=args.seed, chat_fraction=args.chat_fraction, body_fraction=args.body_fraction, qat=not args.no_qat, bf16=args.bf16,
         save_every=args.save_every, log_every=args.log_every, eval_every=args.eval_every,
-        time_limit_s=args.time_limit * 60 if args.time_limit is not None else None,
+        time_limit_s=args.time_limit * 60 if args.time_limit is not None else None, stop_at=args.stop_at,
     )
     config = model_config(args.size, tokenizer)
     trainer = Trainer(config, corpus, cfg, out)
     if args.fresh:
         (out / "state.pt").unlink(missing_ok=True)
-    elif trainer.resume():
+    if not args.fresh and trainer.resume():
         log(f"resumed at step {trainer.step} ({trainer.tokens_seen} tokens)")
+    elif args.init:
+        trainer.init_from(args.init)
+        log(f"initialised from {args.init}")
     n_params = sum(p.numel() for p in trainer.model.parameters())
     log(f"model: {n_params / 1e6:.2f}M parameters; config: {json.dumps(asdict(cfg))}")
     trainer.run(log)
     log(f"stopped at step {trainer.step}/{cfg.steps}; checkpoint {out / 'state.pt'}")
     if args.export:
-        log(f"exported fp32 checkpoint to {export(trainer, out, args.export)}")
+        log(f"exported fp32 checkpoint to {export(trainer, out, args.export, args.blend_with, args.blend)}")
     return 0

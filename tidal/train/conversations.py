@@ -6,7 +6,9 @@ Two kinds, both as OpenAI-style message dicts rendered by the server's K3 chat r
 - questions answered after a think channel: what a standard-library function does (from its
   docstring), arithmetic, small coding tasks;
 - tool-use dialogues: 2-4 declared tools, a user request, an assistant turn that thinks and calls
-  one tool with typed arguments, the tool's result, and a final answer built from it.
+  one tool with typed arguments, the tool's result, and a final answer built from it; over nine
+  named tools, and over the combinatorial pool of tidal.train.tool_pool (hundreds of tools, the
+  right one decided by the request's words, short thoughts).
 
 Entity pools (cities, people, ticker symbols, ...) are split: held-out tool prompts only use values
 the training dialogues never contain, so the tool-call metric measures the format, not recall.
@@ -21,9 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tidal.serve.chat import K3Format, RenderedPrompt
+from tidal.train.code_tasks import CODE_TASKS
+from tidal.train.tool_pool import PoolTool, split_pool, pool_exchange, pool_messages
 
-# Thinking efforts the conversations are rendered with (the server's default is "max").
-EFFORTS = ("max", "high", "low", "off")
+# Thinking efforts the conversations are rendered with, "low" (the embedded model's default) twice.
+EFFORTS = ("max", "high", "low", "low", "off")
 
 # ---- value pools: (train, held-out) --------------------------------------------------------------
 
@@ -74,10 +78,6 @@ DIRS = (
 CURRENCIES = ["USD", "EUR", "GBP", "JPY", "CHF", "CAD", "AUD", "SEK", "INR", "CNY"]
 
 
-def _pool(pools: tuple[list[str], list[str]], heldout: bool) -> list[str]:
-    return pools[1] if heldout else pools[0]
-
-
 # ---- tools -----------------------------------------------------------------------------------------
 
 
@@ -102,15 +102,11 @@ class ToolSpec:
 
     def schema(self) -> dict[str, Any]:
         """OpenAI-style tool declaration."""
-        props = {k: {"type": t, "description": d} for k, (t, d) in self.params.items()}
-        return {"type": "function", "function": {
-            "name": self.name, "description": self.description,
-            "parameters": {"type": "object", "properties": props, "required": list(self.required)},
-        }}
+        return PoolTool(self.name, self.description, self.params, self.required).schema()
 
 
 def _weather(rng: random.Random, heldout: bool) -> Exchange:
-    city = rng.choice(_pool(CITIES, heldout))
+    city = rng.choice(split_pool(CITIES, heldout))
     unit = rng.choice(["celsius", "fahrenheit"])
     temp = rng.randint(-5, 35) if unit == "celsius" else rng.randint(25, 95)
     sky = rng.choice(["sunny", "cloudy", "raining", "snowing", "windy", "foggy"])
@@ -159,7 +155,7 @@ def _convert(rng: random.Random, heldout: bool) -> Exchange:
 
 
 def _time(rng: random.Random, heldout: bool) -> Exchange:
-    tz = rng.choice(_pool(TIMEZONES, heldout))
+    tz = rng.choice(split_pool(TIMEZONES, heldout))
     hh, mm = rng.randint(0, 23), rng.randint(0, 59)
     request = rng.choice([f"What time is it in {tz}?", f"Tell me the current time in {tz}.",
                           f"Which time is it now in the {tz} time zone?"])
@@ -170,8 +166,8 @@ def _time(rng: random.Random, heldout: bool) -> Exchange:
 
 
 def _email(rng: random.Random, heldout: bool) -> Exchange:
-    who = rng.choice(_pool(PEOPLE, heldout))
-    topic = rng.choice(_pool(TOPICS, heldout))
+    who = rng.choice(split_pool(PEOPLE, heldout))
+    topic = rng.choice(split_pool(TOPICS, heldout))
     to = f"{who}@example.com"
     subject = topic[0].upper() + topic[1:]
     body = f"Hi {who.title()}, can we talk about {topic} later today?"
@@ -186,7 +182,7 @@ def _email(rng: random.Random, heldout: bool) -> Exchange:
 
 
 def _files(rng: random.Random, heldout: bool) -> Exchange:
-    path = rng.choice(_pool(DIRS, heldout))
+    path = rng.choice(split_pool(DIRS, heldout))
     recursive = rng.random() < 0.5
     names = rng.sample(["main.py", "util.py", "README.md", "setup.cfg", "data.csv", "notes.txt", "app.js", "index.html"], 3)
     request = rng.choice([
@@ -202,7 +198,7 @@ def _files(rng: random.Random, heldout: bool) -> Exchange:
 
 
 def _reminder(rng: random.Random, heldout: bool) -> Exchange:
-    what = rng.choice(_pool(REMINDERS, heldout))
+    what = rng.choice(split_pool(REMINDERS, heldout))
     minutes = rng.choice([5, 10, 15, 20, 30, 45, 60, 90, 120])
     request = rng.choice([f"Remind me to {what} in {minutes} minutes.", f"Set a reminder in {minutes} minutes to {what}.",
                           f"In {minutes} minutes, remind me to {what}."])
@@ -214,8 +210,8 @@ def _reminder(rng: random.Random, heldout: bool) -> Exchange:
 
 
 def _translate(rng: random.Random, heldout: bool) -> Exchange:
-    text = rng.choice(_pool(PHRASES, heldout))
-    lang = rng.choice(_pool(LANGUAGES, heldout))
+    text = rng.choice(split_pool(PHRASES, heldout))
+    lang = rng.choice(split_pool(LANGUAGES, heldout))
     request = rng.choice([f'Translate "{text}" into {lang}.', f'How do you say "{text}" in {lang}?',
                           f'Can you translate "{text}" to {lang}?'])
     return Exchange(
@@ -226,7 +222,7 @@ def _translate(rng: random.Random, heldout: bool) -> Exchange:
 
 
 def _stock(rng: random.Random, heldout: bool) -> Exchange:
-    sym = rng.choice(_pool(SYMBOLS, heldout))
+    sym = rng.choice(split_pool(SYMBOLS, heldout))
     price = round(rng.uniform(5, 900), 2)
     change = round(rng.uniform(-5, 5), 2)
     request = rng.choice([f"What is {sym} trading at?", f"Get me the stock price of {sym}.",
@@ -322,30 +318,13 @@ def arithmetic_question(rng: random.Random) -> Conversation:
     return _qa(rng, q, f"I need {a} {op} {b}. {a} {op} {b} = {value}.", f"{a} {op} {b} = {value}.")
 
 
-# Small coding tasks: (request, function name, body lines).
-CODE_TASKS = [
-    ("returns the sum of a list of numbers", "total", "values", ["result = 0", "for v in values:", "    result += v", "return result"]),
-    ("returns the largest item of a list", "largest", "items", ["best = items[0]", "for x in items[1:]:", "    if x > best:", "        best = x", "return best"]),
-    ("reverses a string", "reverse", "text", ["return text[::-1]"]),
-    ("counts the vowels in a string", "count_vowels", "text", ["return sum(1 for c in text.lower() if c in 'aeiou')"]),
-    ("checks whether a number is prime", "is_prime", "n", ["if n < 2:", "    return False", "i = 2", "while i * i <= n:", "    if n % i == 0:", "        return False", "    i += 1", "return True"]),
-    ("returns the n-th Fibonacci number", "fibonacci", "n", ["a, b = 0, 1", "for _ in range(n):", "    a, b = b, a + b", "return a"]),
-    ("computes the factorial of n", "factorial", "n", ["result = 1", "for i in range(2, n + 1):", "    result *= i", "return result"]),
-    ("removes duplicates from a list, keeping order", "unique", "items", ["seen = set()", "out = []", "for x in items:", "    if x not in seen:", "        seen.add(x)", "        out.append(x)", "return out"]),
-    ("checks whether a string is a palindrome", "is_palindrome", "text", ["s = text.lower()", "return s == s[::-1]"]),
-    ("counts the words in a string", "word_count", "text", ["return len(text.split())"]),
-    ("returns the average of a list of numbers", "mean", "values", ["if not values:", "    raise ValueError('mean of empty list')", "return sum(values) / len(values)"]),
-    ("flattens a list of lists", "flatten", "lists", ["return [x for sub in lists for x in sub]"]),
-]
-
-
 def code_question(rng: random.Random) -> Conversation:
-    what, name, arg, body = rng.choice(CODE_TASKS)
-    q = rng.choice([f"Write a Python function that {what}.", f"I need a function that {what}. Can you write it?",
-                    f"Python: write `{name}({arg})`, which {what}."])
-    code = "\n".join([f"def {name}({arg}):", *("    " + line for line in body)])
-    think = f"The user wants a function that {what}. I will call it `{name}` and take `{arg}`."
-    return _qa(rng, q, think, f"```python\n{code}\n```")
+    """A coding request answered after one short thought with a fenced ``python`` block."""
+    task = rng.choice(CODE_TASKS)
+    q = rng.choice([f"Write a Python function that {task.what}.", f"I need a function that {task.what}. Can you write it?",
+                    f"Python: write `{task.name}({task.args})`, which {task.what}.", f"Write a function that {task.what}."])
+    think = f"A function `{task.name}({task.args})` that {task.what}."
+    return _qa(rng, q, think, f"```python\n{task.source()}```")
 
 
 def _qa(rng: random.Random, question: str, think: str, answer: str) -> Conversation:
@@ -354,17 +333,27 @@ def _qa(rng: random.Random, question: str, think: str, answer: str) -> Conversat
                         effort=rng.choice(EFFORTS))
 
 
+def pool_dialogue(rng: random.Random, heldout: bool = False, distractors: tuple[int, int] = (1, 3)) -> Conversation:
+    """A dialogue over the combinatorial tool pool (tidal.train.tool_pool)."""
+    call, declared = pool_exchange(rng, heldout, distractors)
+    effort = rng.choice(EFFORTS)
+    return Conversation(pool_messages(call, effort != "off"), [t.schema() for t in declared], effort, call.tool.name)
+
+
 def training_conversations(rng: random.Random, n: int, facts: list[DocFact]) -> list[Conversation]:
-    """n conversations: half tool dialogues, the rest docstring, coding and arithmetic questions."""
+    """n conversations: 55% pool tool dialogues, 8% dialogues over the nine named tools, 20%
+    coding questions, the rest docstring and arithmetic questions."""
     out: list[Conversation] = []
     for _ in range(n):
         r = rng.random()
-        if r < 0.5:
+        if r < 0.55:
+            out.append(pool_dialogue(rng))
+        elif r < 0.63:
             out.append(tool_dialogue(rng))
-        elif r < 0.75 and facts:
-            out.append(doc_question(rng, rng.choice(facts)))
-        elif r < 0.88:
+        elif r < 0.83:
             out.append(code_question(rng))
+        elif r < 0.93 and facts:
+            out.append(doc_question(rng, rng.choice(facts)))
         else:
             out.append(arithmetic_question(rng))
     return out
@@ -376,4 +365,14 @@ def heldout_tool_prompts(rng: random.Random, n: int) -> list[Conversation]:
     for _ in range(n):
         c = tool_dialogue(rng, heldout=True)
         out.append(Conversation(c.messages[:1], c.tools, "max", c.tool))
+    return out
+
+
+def heldout_pool_prompts(rng: random.Random, n: int) -> list[Conversation]:
+    """Two- or three-tool prompts over the held-out tool pool (objects, hence tool names, and values
+    that training never declares), at the embedded model's default effort, cut after the user turn."""
+    out = []
+    for _ in range(n):
+        c = pool_dialogue(rng, heldout=True, distractors=(1, 2))
+        out.append(Conversation(c.messages[:1], c.tools, "low", c.tool))
     return out

@@ -1,5 +1,7 @@
-"""Training data every machine has offline: the running interpreter's standard library, plus
-synthetic K3-format conversations, tokenised into flat streams that training windows are cut from.
+"""Training data every machine has offline: the running interpreter's standard library (whole
+modules, and each function as a standalone snippet, often without its docstring), plus synthetic
+K3-format conversations with a mask of the assistant's tokens, tokenised into flat streams that
+training windows are cut from.
 
 A FIXED list of stdlib modules is held out for evaluation (loss, function-header completion). A
 training sequence is a pure function of (seed, step, row), so a resumed run sees exactly the
@@ -11,13 +13,15 @@ from __future__ import annotations
 import ast
 import random
 import sysconfig
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 from tidal.serve.chat import RenderedPrompt
+from tidal.train.code_tasks import code_snippets
 from tidal.train.conversations import DocFact, training_conversations
 
 # Held out from training, used only by evaluation. Plain-Python modules present in every CPython >= 3.9.
@@ -131,18 +135,127 @@ def conversation_prompts(seed: int, n: int, sources: Sources) -> list[RenderedPr
 # ---- token streams ---------------------------------------------------------------------------------
 
 
+# ---- function bodies ----------------------------------------------------------------------------------
+
+DOCSTRING_STRIP = 0.7  # share of snippets whose docstring is removed (the body follows the signature)
+SPLIT_SPELLING = 0.3  # share tokenised in two pieces at the end of the signature (see FunctionSnippet)
+MAX_SNIPPET_LINES = 80
+
+
+@dataclass(frozen=True)
+class FunctionSnippet:
+    """One function's source, dedented; ``header`` is its signature through the final ``:``.
+
+    A prompt that ends right after the signature's newline (``def f(x):\n``, as an editor sends it)
+    splits what is one token in running text (newline + indentation) into two; snippets encoded as
+    ``encode(header + "\n") + encode(rest)`` put that boundary into training."""
+
+    header: str
+    body: str  # everything after the header's newline
+
+    @property
+    def text(self) -> str:
+        return self.header + "\n" + self.body
+
+
+def function_snippets(sources: dict[str, str], rng: random.Random) -> list[FunctionSnippet]:
+    """Every function and method of ``sources`` as a standalone snippet (decorators dropped,
+    docstrings dropped from DOCSTRING_STRIP of them), then the coding tasks' functions; a fixed
+    shuffle per ``rng``."""
+    out: list[FunctionSnippet] = []
+    for _, text in sorted(sources.items()):
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                snippet = _snippet(node, lines, rng)
+                if snippet is not None:
+                    out.append(snippet)
+    for src in code_snippets(rng):
+        header, body = src.split("\n", 1)
+        out.append(FunctionSnippet(header, body))
+    rng.shuffle(out)
+    return out
+
+
+def _snippet(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str], rng: random.Random) -> FunctionSnippet | None:
+    first = node.body[0]
+    if first.lineno <= node.lineno or node.end_lineno is None:
+        return None  # one-line def
+    header = textwrap.dedent("\n".join(lines[node.lineno - 1 : first.lineno - 1])).rstrip()
+    if not header.endswith(":") or "#" in header:
+        return None
+    body_nodes = node.body
+    is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
+    if is_doc and len(body_nodes) > 1 and rng.random() < DOCSTRING_STRIP:
+        body_nodes = body_nodes[1:]
+    start = body_nodes[0].lineno
+    if getattr(body_nodes[0], "decorator_list", None):
+        start = body_nodes[0].decorator_list[0].lineno
+    end = min(node.end_lineno, start + MAX_SNIPPET_LINES)
+    indent = len(lines[node.lineno - 1]) - len(lines[node.lineno - 1].lstrip())
+    body = "\n".join(line[indent:] if line[:indent].isspace() or not line[:indent] else line.lstrip()
+                     for line in lines[start - 1 : end])
+    return FunctionSnippet(header, body + "\n")
+
+
+def encode_snippet(tokenizer, snippet: FunctionSnippet, split: bool) -> list[int]:
+    if split:
+        return tokenizer.encode(snippet.header + "\n") + tokenizer.encode(snippet.body)
+    return tokenizer.encode(snippet.text)
+
+
+# ---- token streams ---------------------------------------------------------------------------------
+
+
+def assistant_mask(ids: list[int], header: list[int], end: int) -> list[int]:
+    """1 for every token the assistant writes (from just after an assistant message's opening
+    ``header`` through its closing ``end`` token), 0 elsewhere: system prompt, tool declarations,
+    user turns and tool results carry no loss."""
+    mask = [0] * len(ids)
+    n, i, inside = len(header), 0, False
+    while i < len(ids):
+        if not inside and ids[i : i + n] == header:
+            inside = True
+            i += n
+            continue
+        if inside:
+            mask[i] = 1
+            if ids[i] == end:
+                inside = False
+        i += 1
+    return mask
+
+
+def assistant_header(tokenizer) -> list[int]:
+    """Token ids of ``<|open|>message role="assistant"<|sep|>`` (what the generation prompt opens)."""
+    from tidal.serve.chat.xtml import OPEN, SEP
+
+    sp = tokenizer.special_tokens
+    return [sp[OPEN], *tokenizer.encode('message role="assistant"'), sp[SEP]]
+
+
 @dataclass
 class Corpus:
-    """Token streams (int32): stdlib code, conversations (with each one's start), held-out code.
+    """Token streams (int32): stdlib code, conversations (with each one's start and a 0/1 mask of
+    the assistant's tokens), standalone function snippets (with starts), held-out code.
     Documents are separated by the [EOS] token."""
 
     code: torch.Tensor
     chat: torch.Tensor
     chat_starts: torch.Tensor
     heldout: torch.Tensor
+    chat_mask: Optional[torch.Tensor] = None  # int8, like ``chat``; None: every token is a target
+    body: Optional[torch.Tensor] = None
+    body_starts: Optional[torch.Tensor] = None
+
+    FIELDS = ("code", "chat", "chat_starts", "heldout", "chat_mask", "body", "body_starts")
 
     def save(self, path: Path) -> None:
-        torch.save({k: getattr(self, k) for k in ("code", "chat", "chat_starts", "heldout")}, path)
+        torch.save({k: getattr(self, k) for k in self.FIELDS if getattr(self, k) is not None}, path)
 
     @classmethod
     def load(cls, path: Path) -> "Corpus":
@@ -163,32 +276,56 @@ def _stream(docs: list[list[int]], sep: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.tensor(flat, dtype=torch.int32), torch.tensor(starts, dtype=torch.int64)
 
 
-def build_corpus(tokenizer, sources: Sources, chats: list[RenderedPrompt], sep: int) -> Corpus:
+def build_corpus(tokenizer, sources: Sources, chats: list[RenderedPrompt], sep: int,
+                 snippets: list[FunctionSnippet] | None = None, seed: int = 0) -> Corpus:
     """Tokenise everything once (``tokenizer`` is a tidal Tokenizer; chat markers become special
-    ids, chat text never does)."""
+    ids, chat text never does). SPLIT_SPELLING of the snippets are encoded in two pieces."""
     code, _ = _stream([tokenizer.encode(t) for _, t in sorted(sources.train.items())], sep)
     held, _ = _stream([tokenizer.encode(t) for _, t in sorted(sources.heldout.items())], sep)
-    chat, starts = _stream([c.token_ids(tokenizer) for c in chats], sep)
-    return Corpus(code, chat, starts, held)
+    chat_docs = [c.token_ids(tokenizer) for c in chats]
+    chat, starts = _stream(chat_docs, sep)
+    header, end = assistant_header(tokenizer), tokenizer.special_tokens["<|end_of_msg|>"]
+    mask = [m for ids in chat_docs for m in (*assistant_mask(ids, header, end), 0)]
+    corpus = Corpus(code, chat, starts, held, torch.tensor(mask, dtype=torch.int8))
+    if snippets:
+        rng = random.Random(f"{seed}/split")
+        corpus.body, corpus.body_starts = _stream(
+            [encode_snippet(tokenizer, s, rng.random() < SPLIT_SPELLING) for s in snippets], sep)
+    return corpus
+
+
+def _doc_window(stream: torch.Tensor, starts: torch.Tensor, n: int, rng: random.Random) -> int:
+    """A random document start from which a full window of n tokens fits."""
+    last = int(torch.searchsorted(starts, len(stream) - n, right=True))
+    return int(starts[rng.randrange(max(1, last))])
 
 
 def sample_batch(
-    corpus: Corpus, seed: int, step: int, batch_size: int, seq_len: int, chat_fraction: float
-) -> torch.Tensor:
-    """[batch_size, seq_len + 1] token windows for one step, a pure function of (seed, step).
+    corpus: Corpus, seed: int, step: int, batch_size: int, seq_len: int, chat_fraction: float,
+    body_fraction: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([batch_size, seq_len + 1] token windows, their 0/1 target mask) for one step, a pure
+    function of (seed, step).
 
     Each row is a chat window (starting at a conversation's first token, so the tool declaration
-    is always in view) with probability ``chat_fraction``, else a random window of stdlib code."""
+    is always in view; targets only the assistant's tokens) with probability ``chat_fraction``, a
+    window starting at a function snippet with probability ``body_fraction``, else a random window
+    of stdlib code."""
     rng = random.Random(f"{seed}/{step}")
-    rows = []
+    rows, masks = [], []
     n = seq_len + 1
     for _ in range(batch_size):
-        if rng.random() < chat_fraction and len(corpus.chat) > n:
-            starts = corpus.chat_starts
-            last = int(torch.searchsorted(starts, len(corpus.chat) - n, right=True))
-            i = int(starts[rng.randrange(max(1, last))])
+        r = rng.random()
+        if r < chat_fraction and len(corpus.chat) > n:
+            i = _doc_window(corpus.chat, corpus.chat_starts, n, rng)
             rows.append(corpus.chat[i : i + n])
+            masks.append(corpus.chat_mask[i : i + n] if corpus.chat_mask is not None else torch.ones(n))
+        elif r < chat_fraction + body_fraction and corpus.body is not None and len(corpus.body) > n:
+            i = _doc_window(corpus.body, corpus.body_starts, n, rng)
+            rows.append(corpus.body[i : i + n])
+            masks.append(torch.ones(n))
         else:
             i = rng.randrange(len(corpus.code) - n)
             rows.append(corpus.code[i : i + n])
-    return torch.stack(rows).long()
+            masks.append(torch.ones(n))
+    return torch.stack(rows).long(), torch.stack(masks).bool()

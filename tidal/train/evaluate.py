@@ -5,7 +5,10 @@
 - the share of greedy completions of held-out function headers that Python's ``ast`` parses;
 - the share of held-out tool-use prompts whose reply parses (with the server's K3 parser) into a
   valid tool call naming the right tool;
-- (by running the loss on two checkpoints) the gap between the MXFP4 model and its fp32 twin.
+- (by running the loss on two checkpoints) the gap between the MXFP4 model and its fp32 twin;
+- issue 21's targets, through the engine: bare held-out signatures completed with and without the
+  trailing newline (and token-healed), held-out two-/three-tool prompts over tools training never
+  declares, and the README's chat example at the model's default effort.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 
 from tidal.model.context import SimpleCache, simple_batch
 from tidal.model.kimi import KimiForCausalLM
-from tidal.train.conversations import TOOLS, Conversation, heldout_tool_prompts
+from tidal.train.conversations import Conversation, heldout_tool_prompts
 
 TOOL_PROMPT_SEED = 1234  # held-out tool prompts: their own seed and held-out entity pools
 
@@ -154,15 +157,16 @@ def tool_call_check(reply: str, conv: Conversation) -> tuple[bool, bool]:
     call = parsed.tool_calls[0]
     if call.name != conv.tool:
         return False, False
-    spec = TOOLS[call.name]
+    schema = next(t["function"]["parameters"] for t in conv.tools or [] if t["function"]["name"] == call.name)
+    props, required = schema["properties"], schema.get("required", [])
     try:
         args = json.loads(call.arguments or "{}")
     except json.JSONDecodeError:
         return False, True
-    if not isinstance(args, dict) or not set(spec.required) <= set(args) or not set(args) <= set(spec.params):
+    if not isinstance(args, dict) or not set(required) <= set(args) or not set(args) <= set(props):
         return False, True
     for key, value in args.items():
-        kind = spec.params[key][0]
+        kind = props[key]["type"]
         if isinstance(value, bool) and kind != "boolean" or not isinstance(value, _TYPES[kind]):
             return False, True
     return True, True
@@ -185,3 +189,101 @@ def tool_rates(model: KimiForCausalLM, tokenizer, n: int, max_new: int = 160) ->
     replies = [tokenizer.decode(ids) for ids, _ in greedy_generate(model, prompts, max_new, stop)]
     checks = [tool_call_check(r, c) for r, c in zip(replies, convs)]
     return sum(v for v, _ in checks) / n, sum(r for _, r in checks) / n, replies
+
+
+# ---- the issue-21 targets, through the engine (what /v1/completions and /v1/chat/completions run) ----
+
+README_CHAT = "Write a Python function that reverses a list."
+POOL_PROMPT_SEED = 2121  # the 40 held-out two-/three-tool prompts
+
+
+def engine_complete(llm, prompts: list, max_tokens: int, token_healing: bool = False) -> list[tuple[str, bool]]:
+    """Greedy completions (text with special markers, whether a stop token ended it) of text
+    prompts or ``{"prompt_token_ids": ...}`` dicts, through :class:`tidal.LLM`'s engine."""
+    from tidal.sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, token_healing=token_healing, skip_special_tokens=False)
+    return [(o.outputs[0].text, o.outputs[0].finish_reason == "stop") for o in llm.generate(prompts, sp)]
+
+
+def body_parses(prompt: str, completion: str, ended: bool) -> bool:
+    """Whether a bare one-line signature ``prompt`` (with or without its trailing newline) plus the
+    completion is a function with at least one statement besides ``pass`` (a lone docstring does
+    not count). The function runs until the first non-blank line back at column 0; a completion cut
+    by the token limit loses its last, possibly partial, line."""
+    lines = (prompt + completion).split("\n")
+    kept, finished = [lines[0]], ended
+    for line in lines[1:]:
+        if line.strip() and not line[0].isspace():
+            finished = True
+            break
+        kept.append(line)
+    if not finished and len(kept) > 1:
+        kept.pop()
+    try:
+        tree = ast.parse("\n".join(kept))
+    except SyntaxError:
+        return False
+    if not tree.body or not isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    return any(not isinstance(st, ast.Pass) and not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))
+               for st in tree.body[0].body)
+
+
+def signature_rates(llm, signatures: list[str], max_tokens: int = 96) -> dict[str, float | list[str]]:
+    """Parse rates of greedy completions of bare signatures: without the trailing newline, with it
+    (raw tokens), and with it token-healed (the server's default for /v1/completions)."""
+    out: dict[str, float | list[str]] = {}
+    for key, suffix, heal in (("no_newline", "", False), ("newline", "\n", False), ("newline_healed", "\n", True)):
+        prompts = [s + suffix for s in signatures]
+        res = engine_complete(llm, prompts, max_tokens, heal)
+        ok = [body_parses(p, t.split("<|end_of_msg|>")[0].split("[EOS]")[0], e) for p, (t, e) in zip(prompts, res)]
+        out[key] = sum(ok) / len(ok)
+        out[key + "_texts"] = [p + t for p, (t, _) in zip(prompts, res)]
+    return out
+
+
+def chat_replies(llm, convs: list[Conversation], max_tokens: int) -> list[str]:
+    tok = llm.tokenizer
+    prompts = [{"prompt_token_ids": c.render(add_generation_prompt=True).token_ids(tok)} for c in convs]
+    return [t for t, _ in engine_complete(llm, prompts, max_tokens)]
+
+
+def pool_tool_rates(llm, n: int = 40, max_tokens: int = 160) -> tuple[float, float, list[str]]:
+    """(valid right-tool call share, right-tool share, replies) over the held-out pool prompts."""
+    from tidal.train.conversations import heldout_pool_prompts
+
+    convs = heldout_pool_prompts(random.Random(POOL_PROMPT_SEED), n)
+    replies = chat_replies(llm, convs, max_tokens)
+    checks = [tool_call_check(r, c) for r, c in zip(replies, convs)]
+    return sum(v for v, _ in checks) / n, sum(r for _, r in checks) / n, replies
+
+
+def fenced_python(text: str) -> str | None:
+    """The first closed ```python (or bare ```) block of ``text``, or None."""
+    start = text.find("```")
+    if start < 0:
+        return None
+    body_start = text.find("\n", start)
+    end = text.find("```", body_start + 1) if body_start >= 0 else -1
+    if end < 0:
+        return None
+    return text[body_start + 1 : end]
+
+
+def readme_chat(llm, effort: str, max_tokens: int = 64) -> tuple[bool, str]:
+    """Whether the README's chat example, at ``effort``, answers within ``max_tokens`` with a closed
+    fenced code block that parses (in the response channel); and the reply."""
+    from tidal.serve.chat import K3Format
+
+    conv = Conversation([{"role": "user", "content": README_CHAT}], effort=effort)
+    reply = chat_replies(llm, [conv], max_tokens)[0]
+    content = K3Format().parse_full(reply, thinking=effort != "off").content or ""
+    code = fenced_python(content)
+    if code is None or not code.strip():
+        return False, reply
+    try:
+        ast.parse(code)
+    except SyntaxError:
+        return False, reply
+    return True, reply

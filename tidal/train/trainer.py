@@ -43,6 +43,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     betas: tuple[float, float] = (0.9, 0.95)
     chat_fraction: float = 0.3
+    body_fraction: float = 0.0  # rows that start at a standalone function snippet
     seed: int = 0
     qat: bool = True
     bf16: bool = False  # bf16 autocast of the matmuls
@@ -52,6 +53,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_windows: int = 8
     time_limit_s: float | None = None
+    stop_at: int | None = None  # stop (and checkpoint) at this step: repeats a run a time limit cut short
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -62,15 +64,21 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def lm_loss(model: KimiForCausalLM, windows: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of windows [B, T+1], each a fresh sequence (varlen batch)."""
+def lm_loss(model: KimiForCausalLM, windows: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy of windows [B, T+1], each a fresh sequence (varlen batch),
+    over the target tokens ``mask`` [B, T+1] marks (all of them without a mask)."""
     B, n = windows.shape
     T = n - 1
     inputs = windows[:, :-1].reshape(-1)
     cache = SimpleCache(model.config, B, model.dtype, windows.device)
     batch = simple_batch(model.config, [T] * B, cache, [0] * B)
     logits = model.compute_logits(model(inputs, batch))
-    return F.cross_entropy(logits, windows[:, 1:].reshape(-1))
+    targets = windows[:, 1:].reshape(-1)
+    if mask is None:
+        return F.cross_entropy(logits, targets)
+    keep = mask[:, 1:].reshape(-1).to(logits.dtype)
+    per_token = F.cross_entropy(logits, targets, reduction="none")
+    return (per_token * keep).sum() / keep.sum().clamp(min=1)
 
 
 class RouterLoad:
@@ -166,6 +174,14 @@ class Trainer:
         self.train_seconds = state.get("train_seconds", 0.0)
         return True
 
+    def init_from(self, model_dir: str | Path) -> None:
+        """Start from a trained checkpoint instead of random weights (fine-tuning): its weights,
+        MXFP4 experts dequantised exactly, become the float32 master weights; QAT then continues."""
+        from tidal.model.checkpoint import load_model
+
+        loaded = load_model(model_dir, torch.float32)
+        load_plain_state_dict(self.model, {k: v.float() for k, v in loaded.state_dict().items()})
+
     def inference_model(self) -> KimiForCausalLM:
         """A plain (unparametrised) copy with the master weights: the fp32 twin."""
         plain = KimiForCausalLM(self.config)
@@ -175,11 +191,12 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------
     def train_step(self) -> float:
         cfg = self.cfg
-        windows = sample_batch(self.corpus, cfg.seed, self.step, cfg.batch_size, cfg.seq_len, cfg.chat_fraction)
+        windows, mask = sample_batch(self.corpus, cfg.seed, self.step, cfg.batch_size, cfg.seq_len,
+                                     cfg.chat_fraction, cfg.body_fraction)
         for g in self.opt.param_groups:
             g["lr"] = lr_at(cfg, self.step)
         with qat_cached(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            loss = lm_loss(self.model, windows)
+            loss = lm_loss(self.model, windows, mask)
             loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.opt.step()
@@ -194,7 +211,7 @@ class Trainer:
         start = time.perf_counter()
         last_t, last_tokens, losses = start, self.tokens_seen, []
         record: dict[str, Any] = {}
-        while self.step < cfg.steps:
+        while self.step < (cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)):
             if cfg.time_limit_s is not None and time.perf_counter() - start >= cfg.time_limit_s:
                 log(f"time limit reached at step {self.step}")
                 break
