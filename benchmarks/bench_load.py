@@ -1,13 +1,16 @@
 """Checkpoint load speed against reading the same files with ``cat``, in one command.
 
-    python benchmarks/bench_load.py --size-gb 1
-    python benchmarks/bench_load.py --size-gb 1 --tp-size 2 --ep-size 2
+    python benchmarks/bench_load.py --size-gb 1                  # one process and 2 ranks
+    python benchmarks/bench_load.py --size-gb 1 --tp-size 1 2 4 --ep-size 2
 
 Writes a random Kimi Linear-layout checkpoint of about --size-gb (bf16, sharded), then times
-``cat shards > /dev/null`` and ``load_model`` on the same files, each after dropping the page cache
-when the machine allows it (else both warm), and prints GB/s and the ratio. With ``--tp-size`` N
-the load is N rank processes each reading only its slices (``tidal.parallel.loader``), timed from a
-barrier before to a barrier after (process start-up excluded); GB/s counts the bytes all ranks read.
+``cat shards > /dev/null`` and each load on the same files, each after dropping the page cache when
+the machine allows it (else all warm: the state is printed, with ``fincore``'s count of the
+checkpoint's cached bytes before each timing), and prints GB/s and the ratio to cat. --tp-size 1 is
+``load_model`` in this process; N > 1 is N rank processes each reading only its slices
+(``tidal.parallel.loader``), timed from a barrier before to a barrier after (process start-up
+excluded); GB/s counts the bytes all ranks read. The cat runs before every load, so each ratio
+compares two reads under the same cache state.
 """
 
 from __future__ import annotations
@@ -48,6 +51,16 @@ def drop_caches() -> bool:
         return False
 
 
+def cached_bytes(files: list[Path]) -> int | None:
+    """Bytes of ``files`` in the page cache (util-linux fincore), None if it cannot tell."""
+    try:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
+                             capture_output=True, text=True, check=True).stdout
+        return sum(int(x) for x in out.split())
+    except (OSError, subprocess.CalledProcessError, ValueError):
+        return None
+
+
 def _rank_load(place, comm, path: str) -> tuple[int, float]:
     """One rank: its shard's bytes and seconds, between two barriers."""
     import torch.distributed as dist
@@ -73,7 +86,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size-gb", type=float, default=1.0)
     ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
-    ap.add_argument("--tp-size", type=int, default=1, help="load as this many rank processes (sharded)")
+    ap.add_argument("--tp-size", type=int, nargs="*", default=[1, 2],
+                    help="1: load_model in this process; N > 1: N rank processes (sharded)")
     ap.add_argument("--ep-size", type=int, default=1)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -90,24 +104,29 @@ def main() -> None:
         files = sorted(out.glob("*.safetensors"))
         size = sum(f.stat().st_size for f in files)
         print(f"checkpoint: {len(files)} shards, {size / 1e9:.2f} GB")
-        for _ in range(2):  # the second round is reported (first one warms allocators)
-            cold = drop_caches()
-            t0 = time.perf_counter()
-            subprocess.run(["sh", "-c", "cat \"$@\" > /dev/null", "cat", *map(str, files)], check=True)
-            t_cat = time.perf_counter() - t0
-            drop_caches()
-            if args.tp_size == 1:
+        for tp in args.tp_size:
+            for _ in range(2):  # the second round is reported (the first warms allocators)
+                cold = drop_caches()
+                before_cat = cached_bytes(files)
                 t0 = time.perf_counter()
-                loaded = load_model(out, dtype=torch.bfloat16)
-                t_load, read = time.perf_counter() - t0, size
-                del loaded
-            else:
-                read, t_load = load_on_ranks(out, args.tp_size, args.ep_size)
-        state = "cold page cache" if cold else "warm page cache (could not drop caches)"
-        what = "load_model" if args.tp_size == 1 else f"{args.tp_size} ranks (ep {args.ep_size}), {read / 1e9:.2f} GB read"
-        print(f"[{state}] cat: {size / t_cat / 1e9:.2f} GB/s ({t_cat:.2f} s)   "
-              f"{what}: {read / t_load / 1e9:.2f} GB/s ({t_load:.2f} s)   "
-              f"ratio (GB/s) load/cat = {read / t_load / (size / t_cat):.2f}")
+                subprocess.run(["sh", "-c", "cat \"$@\" > /dev/null", "cat", *map(str, files)], check=True)
+                t_cat = time.perf_counter() - t0
+                drop_caches()
+                before_load = cached_bytes(files)
+                if tp == 1:
+                    t0 = time.perf_counter()
+                    loaded = load_model(out, dtype=torch.bfloat16)
+                    t_load, read = time.perf_counter() - t0, size
+                    del loaded
+                else:
+                    read, t_load = load_on_ranks(out, tp, args.ep_size)
+            state = "cold page cache" if cold else "warm page cache (could not drop caches)"
+            cached = ("" if before_cat is None else
+                      f", cached before cat {before_cat / size:.0%}, before load {before_load / size:.0%}")
+            what = "load_model" if tp == 1 else f"{tp} ranks (ep {args.ep_size}), {read / 1e9:.2f} GB read"
+            print(f"[{state}{cached}] cat: {size / t_cat / 1e9:.2f} GB/s ({t_cat:.2f} s)   "
+                  f"{what}: {read / t_load / 1e9:.2f} GB/s ({t_load:.2f} s)   "
+                  f"ratio (GB/s) load/cat = {read / t_load / (size / t_cat):.2f}")
 
 
 if __name__ == "__main__":

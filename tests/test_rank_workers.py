@@ -8,11 +8,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import parallel_ranks as pr  # noqa: E402
 from tidal import LLM, SamplingParams  # noqa: E402
+from tidal.model.checkpoint import read_config  # noqa: E402
+from tidal.plan.planner import plan_for_pool  # noqa: E402
+from tidal.plan.weights import weight_breakdown  # noqa: E402
 
 
 def test_rank_workers_serve_like_tp1_and_a_dead_rank_fails_fast(tmp_path) -> None:
@@ -23,6 +27,17 @@ def test_rank_workers_serve_like_tp1_and_a_dead_rank_fails_fast(tmp_path) -> Non
     want = LLM(ckpt, **kw).generate(prompts, params)
     llm = LLM(ckpt, tp_size=2, dcp_size=2, **kw)
     try:
+        # What each rank process allocated is what the planner says from the config alone; the
+        # logical context is the per-rank KV tokens x dcp.
+        config = read_config(Path(ckpt))
+        plan = plan_for_pool(config, kw["kv_cache_memory_bytes"], tp_size=2, dcp_size=2, page_size=pr.PAGE,
+                             dtype=torch.float32)
+        per_rank_weights = sum(s.per_rank_bytes for s in weight_breakdown(config, tp_size=2))
+        assert [m.weight_bytes for m in llm.workers.memory] == [per_rank_weights] * 2
+        assert [m.pool_bytes for m in llm.workers.memory] == [plan.layout.num_blocks * plan.layout.block_bytes] * 2
+        assert [m.kv_tokens for m in llm.workers.memory] == [plan.kv_tokens_per_rank] * 2
+        assert llm.engine.layout.kv_tokens_logical == 2 * plan.kv_tokens_per_rank == plan.kv_tokens_logical
+        assert llm.engine.layout.max_context_len() == plan.layout.max_context_len()
         got = llm.generate(prompts, params)
         for g, w in zip(got, want):
             assert g.outputs[0].token_ids == w.outputs[0].token_ids

@@ -4,7 +4,9 @@ rank 0; node 1 (the same command, --node-rank 1) runs rank 1. It serves a reques
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,3 +45,51 @@ def test_two_nodes_serve_and_a_lost_node_turns_health_503() -> None:
             node1.wait()
     out = subprocess.run(["pgrep", "-f", f"init-method tcp://{addr}"], capture_output=True, text=True)
     assert not out.stdout.strip(), f"worker processes left: {out.stdout}"
+
+
+def test_a_hung_rank_turns_health_503_and_fails_its_requests() -> None:
+    """A rank that stops answering (SIGSTOP: no crash, no closed connection) while a request streams:
+    the heartbeat watchdog finds it within seconds, the stream ends with an error naming the rank,
+    /health turns 503, new requests are refused, and SIGTERM leaves no process (the stopped one too)."""
+    addr = f"127.0.0.1:{free_port()}"
+    server = start_server("--tp-size", "2", "--dist-init-addr", addr, timeout=600)
+    rank1 = None
+    try:
+        out = subprocess.run(["pgrep", "-f", f"rank 1 .*init-method tcp://{addr}"], capture_output=True, text=True)
+        rank1 = int(out.stdout.split()[0])
+        body = {"model": "tidal-test", "prompt": "def add(a, b):", "max_tokens": 4000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        errors, chunks, stopped = [], 0, None
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    errors.append(event["error"]["message"])
+                    continue
+                chunks += 1
+                if chunks == 3:
+                    os.kill(rank1, signal.SIGSTOP)
+                    stopped = time.monotonic()
+        assert stopped is not None, f"the stream ended after {chunks} chunks: {errors}"
+        waited = time.monotonic() - stopped
+        assert waited < 30, f"the stream ran {waited:.1f} s past the hang"
+        assert errors and "rank 1" in errors[0] and "heartbeat" in errors[0], errors
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
+        r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                       json={"model": "tidal-test", "prompt": "hi", "max_tokens": 4})
+        assert r.status_code == 503 and "rank 1" in r.text, r.text
+    finally:
+        server.stop()
+        if rank1 is not None:
+            try:
+                os.kill(rank1, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10
+    while (left := subprocess.run(["pgrep", "-f", f"init-method tcp://{addr}"], capture_output=True,
+                                  text=True).stdout.strip()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"worker processes left: {left}"

@@ -43,7 +43,9 @@ class LLM:
     decoding as SGLang names it (:class:`tidal.spec.SpeculativeConfig`). ``tp_size`` / ``ep_size`` /
     ``dcp_size`` (SGLang's names) > 1: one worker process per rank loads its shard of the checkpoint directory (``tidal.parallel.workers``);
     ``nnodes`` > 1 with ``dist_init_addr`` "host:port": the other nodes run ``tidal serve
-    --node-rank k`` with the same flags. Call :meth:`close` to stop the workers.
+    --node-rank k`` with the same flags; ``dist_timeout`` (SGLang's): seconds a collective may wait
+    (a hung rank is found sooner, by its heartbeat: ``tidal.parallel.watchdog``); ranks on ``device``
+    "cuda" take their node's GPUs in order. Call :meth:`close` to stop the workers.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class LLM:
         dcp_size: int = 1,
         nnodes: int = 1,
         dist_init_addr: str | None = None,
+        dist_timeout: float | None = None,
     ) -> None:
         speculative = SpeculativeConfig.from_args(  # bad settings fail before the model loads
             speculative_algorithm, speculative_num_draft_tokens, speculative_draft_model_path,
@@ -87,8 +90,11 @@ class LLM:
                 raise ValueError("tp_size > 1 loads each rank's shard from a checkpoint directory: pass model=<dir>")
             if enable_deterministic_inference:
                 raise ValueError("enable_deterministic_inference runs in one process: it needs tp_size=1")
+            if device.type == "cuda" and kv_cache_memory_bytes is None:
+                raise ValueError("tp_size > 1 on CUDA needs kv_cache_memory_bytes (the pool per rank): the engine "
+                                 "core does not measure the ranks' GPUs")
             net, self.workers = _rank_workers(Path(model), dtype or "float32", quantization, tp_size, ep_size, dcp_size,
-                                              nnodes, dist_init_addr)
+                                              nnodes, dist_init_addr, dist_timeout, str(device))
             model_dir = Path(model)
         elif isinstance(model, torch.nn.Module):
             net = model
@@ -188,12 +194,13 @@ class LLM:
 
 
 def _rank_workers(model_dir: Path, dtype: str | torch.dtype, quantization: str | None, tp: int, ep: int,
-                  dcp: int, nnodes: int, dist_init_addr: str | None) -> tuple[KimiForCausalLM, Any]:
+                  dcp: int, nnodes: int, dist_init_addr: str | None, dist_timeout: float | None,
+                  device: str) -> tuple[KimiForCausalLM, Any]:
     """Rank 0's model on the meta device (the engine core reads its shapes) and the rank workers."""
     from tidal.model.checkpoint import read_config
     from tidal.parallel.groups import Collectives, RankPlace
     from tidal.parallel.shard import build_rank_model
-    from tidal.parallel.workers import RankWorkers
+    from tidal.parallel.workers import DEFAULT_TIMEOUT_S, RankWorkers
 
     config = read_config(model_dir)
     place = RankPlace(0, tp, ep, dcp)
@@ -203,7 +210,8 @@ def _rank_workers(model_dir: Path, dtype: str | torch.dtype, quantization: str |
     skeleton.to_dtype(parse_dtype(dtype))
     name = str(parse_dtype(dtype)).removeprefix("torch.")
     return skeleton, RankWorkers(str(model_dir), name, tp_size=tp, ep_size=ep, dcp_size=dcp, nnodes=nnodes,
-                                 dist_init_addr=dist_init_addr)
+                                 dist_init_addr=dist_init_addr, timeout_s=dist_timeout or DEFAULT_TIMEOUT_S,
+                                 device=device, quantization=quantization)
 
 
 def _merge(request_id: str, outs: list[RequestOutput]) -> RequestOutput:

@@ -78,6 +78,12 @@ class PoolStorage:
         self._state_bytes = state_bytes
 
     # ---- the allocator's copies ----------------------------------------------------------------
+    @property
+    def kv_token_rows(self) -> int:
+        """Latent rows this storage holds with every block as KV pages (with DCP: this rank's share)."""
+        blocks, ppb, _, rows, _ = self._pages.shape
+        return blocks * ppb * rows
+
     def apply(self, copies: list[PoolCopy]) -> None:
         """Apply the allocator's copies in the order it recorded them."""
         for c in copies:

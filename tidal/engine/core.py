@@ -18,7 +18,7 @@ from tidal.cache.prefix import PrefixCache
 from tidal.detokenizer import Detokenizer
 from tidal.engine.grammar import GrammarCompiler, PrefixConstraint, TokenTrie, healing_split
 from tidal.cache.recount import recount
-from tidal.engine.faults import FaultInjection, StepFailedError
+from tidal.engine.faults import FaultInjection, StepFailedError, WorkerLostError
 from tidal.engine.metrics import EngineMetrics, RequestMetrics
 from tidal.engine.request import (
     ImageItem,
@@ -223,9 +223,10 @@ class EngineCore:
             lay.page_size, self.device, str(self.dtype).removeprefix("torch."),
         )
         logger.debug(
-            "capacity: %d KV tokens (pool all KV); %d concurrent requests of max_model_len %d tokens, "
-            "%d of 1 token; longest single request %d tokens",
-            lay.kv_tokens_per_rank, lay.max_requests(self.max_model_len), self.max_model_len,
+            "capacity: %d KV tokens per rank x dcp %d = %d logical (pool all KV); %d concurrent requests of "
+            "max_model_len %d tokens, %d of 1 token; longest single request %d tokens",
+            lay.kv_tokens_per_rank, lay.dcp_size, lay.kv_tokens_logical, lay.max_requests(self.max_model_len),
+            self.max_model_len,
             lay.max_requests(1), self.max_request_len,
         )
         if self.prefix_cache is not None:
@@ -457,7 +458,10 @@ class EngineCore:
         for rid in rids:
             self.abort_request(rid)
         problems = recount(self.pool, self.prefix_cache)
-        if problems:
+        if isinstance(cause, WorkerLostError):
+            self.dead = f"a worker is lost: {cause}"
+            logger.error("engine dead: %s", self.dead)
+        elif problems:
             self.dead = f"the memory pool is inconsistent after a failed step ({'; '.join(problems)})"
             logger.error("engine dead: %s", self.dead)
         return StepFailedError(cause, rids, self.dead)

@@ -23,6 +23,10 @@ class InjectedFault(RuntimeError):
     """Raised by the test hook in place of a real failure."""
 
 
+class WorkerLostError(RuntimeError):
+    """The step's worker can no longer run steps (a rank process died or hung): the engine is dead."""
+
+
 class StepFailedError(RuntimeError):
     """A step raised: ``request_ids`` (the step's requests) were aborted; ``dead`` is the reason
     the engine can no longer serve, None when the recount found the pool intact."""

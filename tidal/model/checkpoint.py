@@ -30,6 +30,7 @@ from tidal.config import EXPERT_FORMATS, ConfigError, ModelConfig, parse_dtype
 from tidal.model.kimi import FP32_PARAMS, KimiForCausalLM
 from tidal.model.layers import compute_dtype
 from tidal.model.moe import PackedExperts, pack_experts
+from tidal.model.readahead import read_ahead, read_block
 from tidal.ops.mxfp import BLOCK, E8M0_NAN, dequantize_mxfp4, quantize_mxfp4
 
 log = logging.getLogger("tidal.load")
@@ -202,24 +203,23 @@ class _Checkpoint:
     def slice(self, name: str) -> Any:
         return self.handles[self.where[name]].get_slice(self.disk_name(name))
 
-    def read(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` in a fresh buffer, read with plain file reads. Copying out of the memory
-        map instead would make its pages resident too: peak RSS twice the weights, not once."""
+    def read(self, name: str, where: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """Tensor ``name``, or its ``(dim, start, stop)`` slice (clamped to the tensor), in a fresh
+        buffer, read with plain file reads (``tidal.model.readahead.read_block``): copying out of
+        the memory map instead would make its pages resident too, peak RSS twice the weights."""
         file = self.where[name]
         if file not in self.headers:
             self.headers[file] = _data_start(self.root / file)
         start, header = self.headers[file]
         info = header[self.disk_name(name)]
-        begin, end = info["data_offsets"]
-        buf = bytearray(end - begin)
-        with open(self.root / file, "rb") as f:
-            f.seek(start + begin)
-            if f.readinto(buf) != len(buf):
-                raise CheckpointError(f"tensor '{name}' in {self.root / file} ends past the end of the file")
-        dtype = _ST_DTYPES[info["dtype"]]
-        if not buf:
-            return torch.empty(info["shape"], dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
+        shape, dtype = tuple(info["shape"]), _ST_DTYPES[info["dtype"]]
+        dim = lo = hi = None
+        if where is not None:
+            dim, lo, hi = where[0], min(where[1], shape[where[0]]), min(where[2], shape[where[0]])
+        try:
+            return read_block(self.root / file, start + info["data_offsets"][0], shape, dtype, dim, lo or 0, hi or 0)
+        except EOFError:
+            raise CheckpointError(f"tensor '{name}' in {self.root / file} ends past the end of the file") from None
 
 
 def _data_start(path: Path) -> tuple[int, dict[str, Any]]:
@@ -451,8 +451,9 @@ def load_model(
         progress = _Progress(root, len(layout))
         filled: dict[str, torch.Tensor] = {}
         pending: dict[tuple[str, int], torch.Tensor] = {}  # MXFP4 half waiting for its other half
-        for name, (spec, src) in layout.items():
-            tensor = ckpt.read(name)
+        reads = ((name, spec.nbytes, functools.partial(ckpt.read, name)) for name, (spec, _) in layout.items())
+        for name, tensor in read_ahead(reads):  # the next tensors are read while this one is copied
+            spec, src = layout[name]
             progress.add(tensor)
             if keep_packed and src.expert is not None:
                 _load_packed(model, ckpt, name, src, tensor)

@@ -5,8 +5,10 @@ shapes and dtypes from the headers before any data), same in-memory formats (den
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,6 +19,7 @@ from tidal.model.checkpoint import (
 )
 from tidal.model.kimi import KimiForCausalLM
 from tidal.model.moe import Experts, PackedExperts
+from tidal.model.readahead import read_ahead
 from tidal.ops.mxfp import E8M0_NAN, dequantize_mxfp4
 from tidal.parallel.groups import Collectives, RankPlace
 from tidal.parallel.shard import build_rank_model, expert_slice, full_shapes, take, tensor_slice
@@ -24,22 +27,15 @@ from tidal.parallel.shard import build_rank_model, expert_slice, full_shapes, ta
 log = logging.getLogger("tidal.load")
 
 
-def _read(piece: object, shape: tuple[int, ...], where: tuple[int, int, int] | None) -> torch.Tensor:
-    """This rank's part of one on-disk tensor through its safetensors slice (only those bytes)."""
-    if where is None:
-        return piece[tuple(slice(None) for _ in shape)] if shape else piece[:]  # type: ignore[index]
-    dim, start, stop = where
-    index = [slice(None)] * len(shape)
-    index[dim] = slice(min(start, shape[dim]), min(stop, shape[dim]))
-    return piece[tuple(index)]  # type: ignore[index]
-
-
 def load_rank_model(
     model_dir: str | Path, place: RankPlace, comm: Collectives, dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu", quantization: str | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> KimiForCausalLM:
     """This rank's model (``tidal.parallel.shard.build_rank_model``) filled from ``model_dir``.
-    ``quantization`` as ``load_model``'s ("mxfp4": experts packed; None: the checkpoint's format)."""
+    ``quantization`` as ``load_model``'s ("mxfp4": experts packed; None: the checkpoint's format).
+    Only this rank's slices are read, on a thread ahead of the copies (``tidal.model.readahead``);
+    ``progress(bytes read so far)`` after each tensor (the launcher shows one display for all ranks)."""
     root = Path(model_dir)
     config = read_config(root)
     layout = _layout(config)
@@ -58,36 +54,46 @@ def load_rank_model(
         stack.enter_context(_one_thread())
         ckpt = _open(stack, root)
         _check(ckpt, config, layout)
+        reads, wheres = [], {}
         for name, (spec, src) in layout.items():
-            module_name, _, leaf = src.param.rpartition(".")
+            leaf = src.param.rpartition(".")[2]
             if src.expert is not None:
-                experts = model.get_submodule(module_name)
-                first, count = experts.local_experts or (0, config.num_experts)
+                first, count = model.get_submodule(src.param.rpartition(".")[0]).local_experts or (0, config.num_experts)
                 if not first <= src.expert < first + count:
                     continue  # another rank's expert: never read
                 where = expert_slice(leaf, spec.shape[1 if leaf == "w2" else 0], place)
-                tensor = _read(ckpt.slice(name), spec.shape, where)
-                nbytes += tensor.numel() * tensor.element_size()
+            else:
+                where = tensor_slice(src.param, shapes[src.param], config, place)
+            wheres[name] = where
+            whole = leaf == "A_log" or spec.min_length  # a few floats, stored in another shape: read whole
+            part = spec.nbytes if whole or where is None else spec.nbytes * (where[2] - where[1]) // spec.shape[where[0]]
+            reads.append((name, part, functools.partial(ckpt.read, name, None if whole else where)))
+        for name, tensor in read_ahead(reads):  # the next slices are read while this one is copied
+            spec, src = layout[name]
+            module_name, _, leaf = src.param.rpartition(".")
+            where = wheres[name]
+            nbytes += tensor.numel() * tensor.element_size()
+            if progress is not None:
+                progress(nbytes)
+            if src.expert is not None:
+                experts = model.get_submodule(module_name)
+                first = (experts.local_experts or (0, 0))[0]
                 _put_expert(experts, leaf, src.expert - first, src.part, tensor, filled, pending, targets,
                             src.param, device, name, ckpt)
                 continue
             target = targets[src.param]
             full_shape = shapes[src.param]
-            where = tensor_slice(src.param, full_shape, config, place)
-            if leaf == "A_log" or spec.min_length:  # a few floats, stored in another shape: read whole
-                tensor = take(ckpt.read(name)[: spec.shape[0]].reshape(full_shape) if spec.min_length
-                              else ckpt.read(name).reshape(full_shape), where)
-            else:
-                tensor = _read(ckpt.slice(name), spec.shape, where)
-                if where is not None:  # zero-pad a vocabulary shard that runs past the end
-                    tensor = take(tensor, (where[0], 0, where[2] - where[1]))
-            nbytes += tensor.numel() * tensor.element_size()
+            if leaf == "A_log" or spec.min_length:
+                tensor = take(tensor[: spec.shape[0]].reshape(full_shape) if spec.min_length
+                              else tensor.reshape(full_shape), where)
+            elif where is not None:  # zero-pad a vocabulary shard that runs past the end
+                tensor = take(tensor, (where[0], 0, where[2] - where[1]))
             out = filled.setdefault(src.param, torch.empty(target.shape, dtype=target.dtype, device=device))
             out.copy_(tensor.reshape(target.shape))
     _install(model, filled)
     model.loaded_bytes = nbytes  # type: ignore[assignment]
     seconds = max(time.perf_counter() - start, 1e-9)
-    log.info("rank %d loaded its shard of %s: %.3f GB in %.3f s, %.3f GB/s", place.rank, root, nbytes / 1e9,
+    log.debug("rank %d loaded its shard of %s: %.3f GB in %.3f s, %.3f GB/s", place.rank, root, nbytes / 1e9,
              seconds, nbytes / 1e9 / seconds)
     return model
 

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nnodes", type=int, default=1, help="nodes the TP ranks are spread over")
     p.add_argument("--node-rank", type=int, default=0, help="this node (0 runs the server; others only workers)")
     p.add_argument("--dist-init-addr", default=None, help="host:port every rank joins (needed with --nnodes > 1)")
+    p.add_argument("--dist-timeout", type=float, default=None,
+                   help="seconds a torch.distributed collective may wait before the ranks count as lost (default 60)")
     p.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
                    help="memory pool size: bytes, or with a unit (1GiB, 512MB; default: planned from free memory)")
     p.add_argument("--max-model-len", type=parse_count, default=None,
@@ -158,15 +160,20 @@ def model_default_effort(model_dir: Path) -> str:
     return request_effort(value) if value is not None else DEFAULT_EFFORT
 
 
-def log_summary(st: Any, url: str) -> None:
+def log_summary(st: Any, url: str, tp_size: int = 1) -> None:
     """The start-up in a few lines: what is served, on what, with how much room, where."""
     e = st.engine
     lay = e.layout
     logger.info("serving %s (%s): %s on %s, chat format %s, default thinking effort %s",
                 st.model_name, st.config.model_path, e.dtype, e.device,
                 st.chat.name if st.chat else "none", st.config.default_reasoning_effort)
-    logger.info("memory pool %.2f GiB: %d KV tokens, %d requests of %d tokens at once (%d of 1 token); "
-                "longest request %d tokens", lay.pool_bytes / 2**30, lay.kv_tokens_per_rank,
+    if lay.dcp_size > 1:  # each DCP rank stores 1/dcp of every request's tokens
+        kv = (f"{lay.kv_tokens_per_rank} KV tokens per rank x dcp {lay.dcp_size} = {lay.kv_tokens_logical} "
+              f"tokens of context across the DCP group")
+    else:
+        kv = f"{lay.kv_tokens_logical} KV tokens"
+    logger.info("memory pool %.2f GiB%s: %s, %d requests of %d tokens at once (%d of 1 token); "
+                "longest request %d tokens", lay.pool_bytes / 2**30, " per rank" if tp_size > 1 else "", kv,
                 lay.max_requests(e.max_model_len), e.max_model_len, lay.max_requests(1), e.max_request_len)
     logger.info("listening on %s (OpenAI /v1, Anthropic /v1/messages, /metrics)", url)
 
@@ -209,8 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.node_rank > 0:  # a worker node: no server, its ranks until the core stops them
         from tidal.parallel.workers import run_node
 
+        from tidal.parallel.workers import DEFAULT_TIMEOUT_S
+
         return run_node(str(model_dir), dtype, tp_size=args.tp_size, ep_size=args.ep_size, dcp_size=args.dcp_size,
-                        nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr)
+                        nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
+                        timeout_s=args.dist_timeout or DEFAULT_TIMEOUT_S, device=device,
+                        quantization=args.quantization)
     try:  # the port first: a port in use is an error before minutes of loading, not after
         sock = socket.create_server((args.host, args.port), reuse_port=False)
     except OSError as e:
@@ -231,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                       enable_deterministic_inference=args.enable_deterministic_inference)
     if args.tp_size > 1:
         llm_kwargs.update(tp_size=args.tp_size, ep_size=args.ep_size, dcp_size=args.dcp_size, nnodes=args.nnodes,
-                          dist_init_addr=args.dist_init_addr)
+                          dist_init_addr=args.dist_init_addr, dist_timeout=args.dist_timeout)
     client = EngineClient(llm_kwargs, log_level=args.log_level)
     client.spawn_core()  # it loads the model while this process imports the app
     from tidal.config import ConfigError
@@ -268,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         info={"args": {k: v for k, v in vars(args).items() if k != "api_key"}},
     )
     app = create_app(client, config, tokenizer, model_config)
-    log_summary(app.state.tidal, f"http://{args.host}:{args.port}")
+    log_summary(app.state.tidal, f"http://{args.host}:{args.port}", args.tp_size)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                access_log=args.access_log, timeout_graceful_shutdown=5)
     server = _make_server(uv_config, lambda: client.fail_all_threadsafe("the server is shutting down"))

@@ -153,10 +153,10 @@ class CoreLoop:
                 return frames
 
     def check_workers(self) -> None:
-        """An idle core notices a rank's worker process gone (a busy one fails its next step)."""
+        """An idle core notices a rank's worker lost (a busy one fails its step)."""
         alive = getattr(self.engine.worker, "alive", None)
         if self.dead is None and alive is not None and not alive():
-            self.fail_dead("a rank's worker process exited")
+            self.fail_dead(f"the engine is dead: a worker is lost: {self.engine.worker.lost}")
 
     def handle(self, msg: list[Any]) -> None:
         kind = msg[0]
@@ -264,7 +264,8 @@ def run_engine_core(spec: CoreSpec) -> None:
     try:
         from tidal.llm import LLM
 
-        engine = LLM(**spec.llm_kwargs).engine
+        llm = LLM(**spec.llm_kwargs)
+        engine = llm.engine
     except Exception as e:  # noqa: BLE001 - reported to the parent, which exits with it
         outbox.send(wire.pack(wire.START_FAILED, f"{e}"))
         outbox.close()
@@ -274,6 +275,7 @@ def run_engine_core(spec: CoreSpec) -> None:
     loop = CoreLoop(engine, inbox, outbox)
     loop.send_stats()
     loop.run()
+    llm.close()  # the rank workers stop (on every node)
     outbox.close()
     inbox.close(linger=0)
     ctx.term()

@@ -1,0 +1,64 @@
+"""Checkpoint reads ahead of their use: slices read with plain file reads equal the tensor's slices,
+and the read-ahead hands tensors back in order, within its byte budget, errors included."""
+
+from __future__ import annotations
+
+import functools
+import json
+import struct
+import threading
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tidal.model.readahead import read_ahead, read_block
+
+
+def test_read_block_equals_slicing(tmp_path) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = {"a": torch.randn(6, 5, 4, generator=g), "b": torch.randn(7, 3, generator=g).to(torch.bfloat16),
+               "c": torch.tensor(2.5), "d": torch.randint(0, 255, (9,), generator=g, dtype=torch.uint8),
+               "e": torch.randn(3, 8192, generator=g)}  # runs of 16 KiB and more: read one by one
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, str(path))
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    for name, t in tensors.items():
+        info = header[name]
+        offset = 8 + n + info["data_offsets"][0]
+        assert torch.equal(read_block(path, offset, tuple(t.shape), t.dtype), t), name
+        for dim in range(t.dim()):
+            size = t.shape[dim]
+            for start, stop in ((0, size), (1, size), (0, 1), (size // 2, size - 1), (size - 1, size)):
+                got = read_block(path, offset, tuple(t.shape), t.dtype, dim, start, stop)
+                assert torch.equal(got, t.narrow(dim, start, stop - start)), (name, dim, start, stop)
+    with pytest.raises(EOFError):
+        read_block(path, len(raw) - 4, (4,), torch.float32)
+
+
+def test_read_ahead_keeps_order_and_budget_and_raises() -> None:
+    ahead, most, lock = [0], [0], threading.Lock()
+
+    def read(i: int) -> torch.Tensor:
+        with lock:
+            ahead[0] += 1
+            most[0] = max(most[0], ahead[0])
+        return torch.full((i + 1,), float(i))
+
+    jobs = [(i, 100, functools.partial(read, i)) for i in range(20)]
+    got = []
+    for key, t in read_ahead(jobs, budget_bytes=300):
+        with lock:
+            ahead[0] -= 1
+        got.append(key)
+        assert torch.equal(t, torch.full((key + 1,), float(key)))
+    assert got == list(range(20))
+    assert most[0] <= 3  # never more than the budget's worth read and not yet taken
+
+    def bad() -> torch.Tensor:
+        raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        list(read_ahead([(0, 1, lambda: torch.zeros(1)), (1, 1, bad)]))
