@@ -33,11 +33,14 @@ from tidal.engine.faults import WorkerLostError
 from tidal.engine.plan import StepPlan, decode_plan, encode_plan
 from tidal.parallel.groups import make_groups
 from tidal.plan.layout import PoolLayout
-from tidal.parallel.watchdog import LOST_KEY, Heartbeat, Watchdog, kill_all
+from tidal.parallel.watchdog import LOST_KEY, Heartbeat, Watchdog, heartbeat_key, kill_all
 
 log = logging.getLogger("tidal.parallel")
 
 DEFAULT_TIMEOUT_S = 60.0
+# How long the ranks wait for each other to start (process start, imports, other nodes' launches)
+# before the collectives' timeout applies: a loaded machine may take minutes.
+STARTUP_TIMEOUT_S = 600.0
 
 
 def node_ranks(tp_size: int, nnodes: int, node_rank: int) -> range:
@@ -162,6 +165,7 @@ def worker_main(rank: int, tp_size: int, ep_size: int, dcp_size: int, init_metho
     host, port = split_addr(init_method)
     store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
     Heartbeat(host, port, rank)
+    store.wait([heartbeat_key(r) for r in range(tp_size)], timedelta(seconds=STARTUP_TIMEOUT_S))  # all started
     dist.init_process_group(world_backend(device), store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     try:
@@ -229,6 +233,7 @@ class RankWorkers:
                                  device, quantization)
         self.watchdog = Watchdog(host, self.store.port, range(tp_size), dict(zip(ranks, self.procs)), self._lose)
         try:
+            self._wait_for(heartbeat_key, deadline=time.monotonic() + STARTUP_TIMEOUT_S)  # every rank started
             dist.init_process_group(world_backend(device), store=self.store, rank=tp_size,
                                     world_size=tp_size + 1, timeout=td)
             make_groups(tp_size, ep_size, dcp_size)
@@ -267,12 +272,16 @@ class RankWorkers:
                 log.warning("rank %d allocated a pool of %d bytes for %d KV tokens; the plan says %d bytes, %d tokens",
                             r, m.pool_bytes, m.kv_tokens, *planned)
 
-    def _wait_for(self, key, tick=None) -> None:
-        """Until every rank has set ``key(rank)`` in the store, or one is lost; ``tick()`` on the way."""
+    def _wait_for(self, key, tick=None, deadline: float | None = None) -> None:
+        """Until every rank has set ``key(rank)`` in the store, or one is lost (or ``deadline``
+        passes); ``tick()`` on the way."""
         keys = [key(r) for r in range(self.tp_size)]
         while not self.store.check(keys):
             if self.lost is not None:
                 raise WorkerLostError(self.lost)
+            if deadline is not None and time.monotonic() > deadline:
+                missing = [r for r in range(self.tp_size) if not self.store.check([key(r)])]
+                raise WorkerLostError(f"ranks {missing} did not start within {STARTUP_TIMEOUT_S:.0f} s")
             if tick is not None:
                 tick()
             time.sleep(0.05)
