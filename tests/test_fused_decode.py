@@ -106,6 +106,7 @@ def test_gated_activation_matches_float64_on_views_of_one_projection(dtype, beta
 def test_gated_activation_rows_are_bitwise_batch_and_thread_invariant():
     gen = torch.Generator().manual_seed(11)
     g, u = 5 * torch.randn(40, 2000, generator=gen), 30 * torch.randn(40, 2000, generator=gen)
+    assert fused_decode.gated_activation(g.repeat(2, 1), u.repeat(2, 1), None) is None  # past FUSED_MAX_ROWS
     with threads(2):
         batch = fused_decode.gated_activation(g, u, (4.0, 25.0))
         alone = torch.cat([fused_decode.gated_activation(g[i : i + 1], u[i : i + 1], (4.0, 25.0)) for i in range(40)])
@@ -146,7 +147,7 @@ def test_router_weight_cast_follows_in_place_updates():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["situ", "swiglu"])
 def test_packed_experts_in_one_call_equal_the_grouped_path_bitwise(monkeypatch, dtype, act):
-    """PackedExperts.forward at 1, 3 and 40 tokens: the one-call kernel == the grouped-GEMM path,
+    """PackedExperts.forward at 1, 3 and the most tokens it takes: the one-call kernel == the grouped-GEMM path,
     bit for bit; both == the float64 experts within rounding; a token's
     bits alone == in the batch."""
     config = replace(tiny_k3(), hidden_act=act)
@@ -157,7 +158,7 @@ def test_packed_experts_in_one_call_equal_the_grouped_path_bitwise(monkeypatch, 
     packed = PackedExperts.from_dense(dense_experts)
     E, k = config.num_experts, config.num_experts_per_token
     gen = torch.Generator().manual_seed(15)
-    for T in (1, 3, 40):
+    for T in (1, 3, fused_decode.FUSED_MAX_ROWS // k):
         h = torch.randn(T, config.expert_hidden_size, generator=gen).to(dtype)
         ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
         w = torch.rand(T, k, generator=gen)

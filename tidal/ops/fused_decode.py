@@ -16,6 +16,7 @@ import ctypes
 
 import torch
 
+from tidal.ops import batch_invariant
 from tidal.ops.cpu_kernels import (
     activation_kernel,
     attn_res_kernels,
@@ -26,6 +27,10 @@ from tidal.ops.cpu_kernels import (
 )
 
 _DTYPES = (torch.float32, torch.bfloat16)
+# Rows up to which the activation and the one-call experts run in C: there dispatch costs more than
+# the arithmetic; past it torch's vectorised, threaded ops are faster. Under batch invariance they
+# run in C at every size (a row's bits must not depend on the batch).
+FUSED_MAX_ROWS = 64
 MAX_HEAD_DIM = 1024  # the kernel's per-head arrays live on its stack
 
 
@@ -38,6 +43,10 @@ def _applies(*tensors: torch.Tensor) -> bool:
 def _rows_ok(x: torch.Tensor) -> bool:
     """A 2-D tensor of contiguous rows (any row stride)."""
     return x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0
+
+
+def _small(rows: int) -> bool:
+    return rows <= FUSED_MAX_ROWS or batch_invariant.enabled()
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -73,7 +82,7 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, situ_betas: tuple[flo
     :func:`~tidal.ops.activation.swiglu` of gate and up [M, N] (rows of any stride) -> [M, N] in
     gate's dtype."""
     if (not _applies(gate, up) or up.dtype != gate.dtype or not _rows_ok(gate) or not _rows_ok(up)
-            or up.shape != gate.shape):
+            or up.shape != gate.shape or not _small(gate.shape[0])):
         return None
     fn = activation_kernel()
     if fn is None:
@@ -93,7 +102,7 @@ def packed_experts(
     """:meth:`tidal.model.moe.PackedExperts.forward` (all experts local) in one call: h [T, d], ids
     [T, k], weights [T, k] -> float32 [T, d], the same bits as the grouped-GEMM path."""
     (p13, s13), (p2, s2) = w13, w2
-    if (not _applies(h) or not _rows_ok(h) or ids.shape != weights.shape or ids.dim() != 2
+    if (not _applies(h) or not _small(ids.numel()) or not _rows_ok(h) or ids.shape != weights.shape or ids.dim() != 2
             or any(t.device.type != "cpu" or not t.is_contiguous() for t in (p13, s13, p2, s2))):
         return None
     fn = mxfp4_moe_kernel()
