@@ -3,7 +3,9 @@
 A loader that reads a tensor and then copies (or converts) it into the model leaves the disk idle
 during every copy and the CPU idle during every read. Here one thread reads the next tensors' bytes
 with plain file reads (which release the GIL) while the caller copies the previous ones, at most
-``budget_bytes`` ahead, so a load runs at the slower of the two rates instead of their sum.
+``budget_bytes`` ahead, so a load runs at the slower of the two rates instead of their sum. By
+default the budget is a 64th of the checkpoint (at most DEFAULT_BUDGET_BYTES), so the buffers in
+flight keep a load's peak memory within 1.2x of the tensors it makes.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ SMALL_RUN_BYTES = 16 << 10
 
 
 def read_ahead(jobs: Iterable[tuple[K, int, Callable[[], torch.Tensor]]],
-               budget_bytes: int = DEFAULT_BUDGET_BYTES) -> Iterator[tuple[K, torch.Tensor]]:
+               budget_bytes: int | None = None) -> Iterator[tuple[K, torch.Tensor]]:
     """``(key, tensor)`` for each ``(key, nbytes, read)`` job, in order; the reads run on a thread,
     ``budget_bytes`` ahead at most (always at least the next one). A read that raises raises here."""
     todo = collections.deque(jobs)
+    if budget_bytes is None:
+        budget_bytes = min(DEFAULT_BUDGET_BYTES, sum(nbytes for _, nbytes, _ in todo) // 64)
     running: collections.deque = collections.deque()
     ahead = 0
     with ThreadPoolExecutor(1, thread_name_prefix="tidal-read") as pool:
