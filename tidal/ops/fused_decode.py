@@ -5,8 +5,8 @@ activations, Block AttnRes, the recurrent part of a KDA layer and the packed rou
 At batch 1 a step's work per op is a few hundred values, so its time went to dispatching ~2,000
 aten calls, not to arithmetic. Each function here takes the arguments of the model's math and
 returns its result, or None where the kernel does not apply (not the CPU, float64, autograd, the
-kernels off: ``TIDAL_CPU_KERNELS=0`` or ``TIDAL_FUSED_DECODE=0``); the model then runs its torch
-form. Every kernel computes a row by one thread in a fixed order: a row's bits do not depend on the
+kernels off: ``TIDAL_CPU_KERNELS=0`` or ``TIDAL_FUSED_DECODE=0``, or a tensor whose op takes a
+Triton kernel, as under the interpreter); the model then runs its torch or Triton form. Every kernel computes a row by one thread in a fixed order: a row's bits do not depend on the
 batch or the thread count.
 """
 
@@ -17,6 +17,7 @@ import ctypes
 import torch
 
 from tidal.ops import batch_invariant
+from tidal.ops.triton import use_triton
 from tidal.ops.cpu_kernels import (
     activation_kernel,
     attn_res_kernels,
@@ -37,7 +38,8 @@ MAX_HEAD_DIM = 1024  # the kernel's per-head arrays live on its stack
 def _applies(*tensors: torch.Tensor) -> bool:
     grad = torch.is_grad_enabled()
     return fused_decode_enabled() and all(
-        t.device.type == "cpu" and t.dtype in _DTYPES and not (grad and t.requires_grad) for t in tensors)
+        t.device.type == "cpu" and t.dtype in _DTYPES and not (grad and t.requires_grad) and not use_triton(t)
+        for t in tensors)
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
