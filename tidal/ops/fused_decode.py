@@ -37,9 +37,10 @@ MAX_HEAD_DIM = 1024  # the kernel's per-head arrays live on its stack
 
 def _applies(*tensors: torch.Tensor) -> bool:
     grad = torch.is_grad_enabled()
+    # use_triton is one answer for all CPU tensors (the interpreter's switch): asked once per call.
     return fused_decode_enabled() and all(
-        t.device.type == "cpu" and t.dtype in _DTYPES and not (grad and t.requires_grad) and not use_triton(t)
-        for t in tensors)
+        t.device.type == "cpu" and t.dtype in _DTYPES and not (grad and t.requires_grad) for t in tensors
+    ) and not use_triton(tensors[0])
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
