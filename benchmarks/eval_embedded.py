@@ -19,7 +19,9 @@ Per model (through the engine, as the server runs it: float32 trunk, MXFP4 exper
 - the README's chat example ("Write a Python function that reverses a list.") at the model's
   default effort: a closed fenced code block that parses within 64 tokens;
 - the older header metric: greedy completions of 100 held-out stdlib function headers that parse;
-- with --twin (the fp32 checkpoint ``tidal train --export`` wrote): the MXFP4 - fp32 loss gap.
+- with --twin (the fp32 checkpoint ``tidal train --export`` wrote): the MXFP4 - fp32 loss gap;
+- in-context copying: loss on held-out spans written a second time, against their first writing
+  (choosing a declared tool and copying its arguments needs it).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from tidal.tokenizer import load_tokenizer
 from tidal.train.code_tasks import HELDOUT_SIGNATURES
 from tidal.train.data import Corpus, load_sources
 from tidal.train.evaluate import (
-    function_headers, header_rate, pool_tool_rates, readme_chat, signature_rates, stream_loss, tool_rates,
+    copy_loss, function_headers, header_rate, pool_tool_rates, readme_chat, signature_rates, stream_loss, tool_rates,
     unigram_loss,
 )
 
@@ -75,6 +77,10 @@ def evaluate(model_dir: str, args: argparse.Namespace, show: int) -> dict:
         twin_loss, _ = stream_loss(load_model(args.twin, torch.float32), stream, args.seq_len)
         res.update(twin=args.twin, twin_loss=twin_loss, mxfp4_gap=loss - twin_loss)
         print(f"  fp32 twin {twin_loss:.4f}; MXFP4 - fp32 gap {loss - twin_loss:+.4f} nats/token")
+
+    copied, first = copy_loss(model, stream)
+    res.update(copy_loss=copied, copy_first_loss=first)
+    print(f"  in-context copying: {copied:.3f} nats/token on held-out spans written a second time, {first:.3f} on the first writing")
 
     headers = function_headers(heldout, 100)
     rate, _ = header_rate(model, tok, headers)

@@ -17,10 +17,10 @@ from tidal.model.init import init_weights
 from tidal.model.kimi import KimiForCausalLM
 from tidal.tokenizer import load_tokenizer
 from tidal.train.code_tasks import CODE_TASKS, HELDOUT_SIGNATURES
-from tidal.train.conversations import heldout_pool_prompts, pool_dialogue, training_conversations
+from tidal.train.conversations import copy_drill, heldout_pool_prompts, pool_dialogue, training_conversations
 from tidal.train.data import (
-    Corpus, FunctionSnippet, assistant_header, assistant_mask, build_corpus, encode_snippet, function_snippets,
-    load_sources, sample_batch,
+    Corpus, FunctionSnippet, assistant_header, assistant_mask, build_corpus, copy_row, encode_snippet,
+    function_snippets, load_sources, sample_batch,
 )
 from tidal.train.evaluate import README_CHAT, body_parses, fenced_python, tool_call_check
 from tidal.train.tool_pool import HELDOUT_OBJECTS, TRAIN_OBJECTS, pool_tools
@@ -180,3 +180,77 @@ def test_body_parses():
 def test_fenced_python():
     assert fenced_python("Here:\n```python\nx = 1\n```\nok") == "x = 1\n"
     assert fenced_python("```python\nx = 1\n") is None and fenced_python("no code") is None
+
+
+def test_copy_rows_write_each_span_twice_and_target_only_the_second_writing():
+    code = torch.arange(10_000, dtype=torch.int32)  # distinct ids: a copy is recognisable
+    row, mask = copy_row(code, 513, random.Random(3))
+    assert row.shape == mask.shape == (513,) and torch.equal(row, copy_row(code, 513, random.Random(3))[0])
+    ids, m = row.tolist(), mask.tolist()
+    runs, i = [], 0
+    while i < len(m):  # maximal runs of targets: the second writing of a span, less its first token
+        if m[i]:
+            j = i
+            while j < len(m) and m[j]:
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    assert len(runs) >= 4 and 0.35 < sum(m) / len(m) < 0.5
+    for start, end in runs:
+        k = end - start + 1
+        copy = start - 1
+        if end < len(m):  # the last span may be cut by the window
+            assert ids[copy : copy + k] == ids[copy - k : copy]
+            assert ids[copy - k + 1 : copy] == list(range(ids[copy - k] + 1, ids[copy - k] + k))  # a real span
+    assert not any(m[: runs[0][0]])
+    row1, first = copy_row(code, 513, random.Random(3), first=True)  # the same window, the first writings marked
+    assert torch.equal(row1, row) and not bool((first.bool() & mask.bool()).any())
+    for start, end in runs[:-1]:
+        k = end - start + 1
+        assert first[start - k : start - 1].all() and not first[start - 1 - k]
+
+
+def test_copy_rows_enter_batches_only_when_asked(tok):
+    sources = load_sources()
+    sources.train = dict(sorted(sources.train.items())[:2])
+    corpus = build_corpus(tok, sources, [c.render() for c in training_conversations(random.Random(1), 12, [])],
+                          tok.token_id("[EOS]"))
+    plain, plain_mask = sample_batch(corpus, 0, 5, 16, 512, chat_fraction=0.0)
+    assert bool(plain_mask.all())
+    windows, mask = sample_batch(corpus, 0, 5, 16, 512, chat_fraction=0.0, copy_fraction=1.0)
+    assert all(0.25 < float(m.float().mean()) < 0.55 for m in mask)
+    assert torch.equal(windows, sample_batch(corpus, 0, 5, 16, 512, chat_fraction=0.0, copy_fraction=1.0)[0])
+
+
+def test_copy_drills_answer_with_the_requested_items():
+    rng = random.Random(2)
+    for _ in range(20):
+        conv = copy_drill(rng)
+        request, reply = conv.messages[0]["content"], conv.messages[1]["content"]
+        assert reply and reply in request and request.endswith(reply)
+
+
+def test_multi_turn_pool_dialogues_call_each_turns_tool():
+    """Every assistant call turn of a multi-request dialogue is a valid call of a declared tool, the
+    one its own request names (its thought ends with that name)."""
+    rng = random.Random(9)
+    seen = 0
+    for _ in range(30):
+        conv = pool_dialogue(rng, turns=3)
+        if conv.effort == "off":
+            continue
+        names = [t["function"]["name"] for t in conv.tools]
+        calls = [m for m in conv.messages if m.get("tool_calls")]
+        assert len(calls) == 3 and len([m for m in conv.messages if m["role"] == "user"]) == 3
+        head = '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
+        replies = [p.split("<|end_of_msg|>")[0] for p in conv.render().text.split(head)[1:]][::2]
+        for msg, reply in zip(calls, replies):
+            name = msg["tool_calls"][0]["function"]["name"]
+            assert name in names and msg["reasoning_content"].endswith(f": {name}.")
+            one = type(conv)(conv.messages[:1], conv.tools, conv.effort, name)
+            assert tool_call_check(reply, one) == (True, True)
+            seen += 1
+    assert seen > 30
+    assert len(TRAIN_OBJECTS) >= 150 and len(pool_tools()) >= 1500

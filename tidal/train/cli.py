@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-fraction", type=float, default=d.chat_fraction, help="share of rows that are conversations")
     p.add_argument("--body-fraction", type=float, default=d.body_fraction,
                    help="share of rows that start at a standalone function (signature, then its body)")
+    p.add_argument("--copy-fraction", type=float, default=d.copy_fraction,
+                   help="share of rows that repeat stdlib spans (loss on the repeats): in-context copying")
     p.add_argument("--init", default=None,
                    help="fine-tune: start from this checkpoint directory (its tokenizer too) instead of random weights")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -169,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cfg = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup,
-        seed=args.seed, chat_fraction=args.chat_fraction, body_fraction=args.body_fraction, qat=not args.no_qat, bf16=args.bf16,
+        seed=args.seed, chat_fraction=args.chat_fraction, body_fraction=args.body_fraction,
+        copy_fraction=args.copy_fraction, qat=not args.no_qat, bf16=args.bf16,
         save_every=args.save_every, log_every=args.log_every, eval_every=args.eval_every,
         time_limit_s=args.time_limit * 60 if args.time_limit is not None else None, stop_at=args.stop_at,
     )

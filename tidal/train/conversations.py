@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 from tidal.serve.chat import K3Format, RenderedPrompt
 from tidal.train.code_tasks import CODE_TASKS
-from tidal.train.tool_pool import PoolTool, split_pool, pool_exchange, pool_messages
+from tidal.train.tool_pool import PEOPLE as POOL_PEOPLE, TITLES, TRAIN_OBJECTS, VERBS, PoolTool, split_pool, pool_exchanges, pool_messages
 
 # Thinking efforts the conversations are rendered with, "low" (the embedded model's default) twice.
 EFFORTS = ("max", "high", "low", "low", "off")
@@ -333,24 +333,51 @@ def _qa(rng: random.Random, question: str, think: str, answer: str) -> Conversat
                         effort=rng.choice(EFFORTS))
 
 
-def pool_dialogue(rng: random.Random, heldout: bool = False, distractors: tuple[int, int] = (1, 3)) -> Conversation:
-    """A dialogue over the combinatorial tool pool (tidal.train.tool_pool)."""
-    call, declared = pool_exchange(rng, heldout, distractors)
+def pool_dialogue(rng: random.Random, heldout: bool = False, distractors: tuple[int, int] = (1, 3),
+                  turns: int = 1) -> Conversation:
+    """A dialogue over the combinatorial tool pool (tidal.train.tool_pool): ``turns`` requests over one
+    declared set, each answered with a call; ``tool`` is the first request's tool."""
+    calls, declared = pool_exchanges(rng, heldout, distractors, turns)
     effort = rng.choice(EFFORTS)
-    return Conversation(pool_messages(call, effort != "off"), [t.schema() for t in declared], effort, call.tool.name)
+    return Conversation(pool_messages(calls, effort != "off"), [t.schema() for t in declared], effort, calls[0].tool.name)
+
+
+def _copy_item(rng: random.Random) -> str:
+    obj = rng.choice(TRAIN_OBJECTS)
+    kind = rng.randrange(4)
+    if kind == 0:
+        return rng.choice(VERBS)[0](obj).name
+    if kind == 1:
+        return f"{obj[2]}-{rng.randint(100, 9999)}"
+    if kind == 2:
+        return rng.choice(TITLES[0])
+    return rng.choice([obj[0], obj[1], rng.choice(POOL_PEOPLE[0])])
+
+
+def copy_drill(rng: random.Random) -> Conversation:
+    """A request to repeat a list of tool names, ids and words exactly: the copying that choosing and
+    calling a declared tool rests on (every item of the answer is in the request)."""
+    items = [_copy_item(rng) for _ in range(rng.randint(3, 12))]
+    sep = rng.choice([", ", " ", "\n"])
+    listed = sep.join(items)
+    q = rng.choice([f"Repeat exactly: {listed}", f"Copy this list: {listed}", f"Say back these words:\n{listed}",
+                    f"Echo the following, unchanged: {listed}"])
+    return _qa(rng, q, "Repeat the list.", listed)
 
 
 def training_conversations(rng: random.Random, n: int, facts: list[DocFact]) -> list[Conversation]:
-    """n conversations: 55% pool tool dialogues, 8% dialogues over the nine named tools, 20%
-    coding questions, the rest docstring and arithmetic questions."""
+    """n conversations: 50% pool tool dialogues (1-4 requests each), 8% dialogues over the nine named
+    tools, 12% copy drills, 15% coding questions, the rest docstring and arithmetic questions."""
     out: list[Conversation] = []
     for _ in range(n):
         r = rng.random()
-        if r < 0.55:
-            out.append(pool_dialogue(rng))
-        elif r < 0.63:
+        if r < 0.50:
+            out.append(pool_dialogue(rng, turns=rng.choice((1, 1, 2, 3, 4))))
+        elif r < 0.58:
             out.append(tool_dialogue(rng))
-        elif r < 0.83:
+        elif r < 0.70:
+            out.append(copy_drill(rng))
+        elif r < 0.85:
             out.append(code_question(rng))
         elif r < 0.93 and facts:
             out.append(doc_question(rng, rng.choice(facts)))

@@ -300,17 +300,40 @@ def _doc_window(stream: torch.Tensor, starts: torch.Tensor, n: int, rng: random.
     return int(starts[rng.randrange(max(1, last))])
 
 
+COPY_SPAN = (8, 64)  # lengths of the stdlib spans a copy row repeats
+
+
+def copy_row(code: torch.Tensor, n: int, rng: random.Random, first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A window of n tokens made of stdlib code spans each written twice in a row (``A A B B ...``),
+    with targets only on the second writing (its first token excepted: nothing announces it); with
+    ``first``, the same window (same ``rng`` state) marked on the first writing instead, for evaluation.
+
+    The model this trains on has no in-context copying: a name written one line above costs it as
+    much as a fresh one. Choosing a declared tool and filling its arguments is copying, and so is
+    most of code; these rows put a copy target on about half the tokens."""
+    ids: list[int] = []
+    mask: list[int] = []
+    while len(ids) < n:
+        k = rng.randint(*COPY_SPAN)
+        i = rng.randrange(len(code) - k)
+        span = code[i : i + k].tolist()
+        ids += span + span
+        once, twice = [0] * k, [0] + [1] * (k - 1)
+        mask += twice + once if first else once + twice
+    return torch.tensor(ids[:n]), torch.tensor(mask[:n])
+
+
 def sample_batch(
     corpus: Corpus, seed: int, step: int, batch_size: int, seq_len: int, chat_fraction: float,
-    body_fraction: float = 0.0,
+    body_fraction: float = 0.0, copy_fraction: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """([batch_size, seq_len + 1] token windows, their 0/1 target mask) for one step, a pure
     function of (seed, step).
 
     Each row is a chat window (starting at a conversation's first token, so the tool declaration
     is always in view; targets only the assistant's tokens) with probability ``chat_fraction``, a
-    window starting at a function snippet with probability ``body_fraction``, else a random window
-    of stdlib code."""
+    window starting at a function snippet with probability ``body_fraction``, a copy row
+    (:func:`copy_row`) with probability ``copy_fraction``, else a random window of stdlib code."""
     rng = random.Random(f"{seed}/{step}")
     rows, masks = [], []
     n = seq_len + 1
@@ -324,6 +347,10 @@ def sample_batch(
             i = _doc_window(corpus.body, corpus.body_starts, n, rng)
             rows.append(corpus.body[i : i + n])
             masks.append(torch.ones(n))
+        elif r < chat_fraction + body_fraction + copy_fraction:
+            row, mask = copy_row(corpus.code, n, rng)
+            rows.append(row)
+            masks.append(mask)
         else:
             i = rng.randrange(len(corpus.code) - n)
             rows.append(corpus.code[i : i + n])

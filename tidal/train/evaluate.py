@@ -6,6 +6,7 @@
 - the share of held-out tool-use prompts whose reply parses (with the server's K3 parser) into a
   valid tool call naming the right tool;
 - (by running the loss on two checkpoints) the gap between the MXFP4 model and its fp32 twin;
+- in-context copying: the loss on stdlib spans written a second time against the first writing;
 - issue 21's targets, through the engine: bare held-out signatures completed with and without the
   trailing newline (and token-healed), held-out two-/three-tool prompts over tools training never
   declares, and the README's chat example at the model's default effort.
@@ -48,6 +49,24 @@ def stream_loss(model: KimiForCausalLM, stream: torch.Tensor, seq_len: int = 512
         total += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
         count += len(targets)
     return total / count, count
+
+
+@torch.no_grad()
+def copy_loss(model: KimiForCausalLM, stream: torch.Tensor, rows: int = 16, seq_len: int = 256, seed: int = 5
+              ) -> tuple[float, float]:
+    """In-context copying: (loss on the second writing, loss on the first) of ``stream`` spans each
+    written twice in a row (tidal.train.data.copy_row), in nats per token. A model that copies
+    scores far below its first-writing loss on the repeats; one that does not scores about the same."""
+    from tidal.train.data import copy_row
+    from tidal.train.trainer import lm_loss
+
+    losses = []
+    for first in (False, True):
+        rng = random.Random(seed)
+        made = [copy_row(stream, seq_len + 1, rng, first) for _ in range(rows)]
+        windows, mask = torch.stack([w for w, _ in made]).long(), torch.stack([m for _, m in made]).bool()
+        losses.append(float(lm_loss(model, windows, mask)))
+    return losses[0], losses[1]
 
 
 def unigram_loss(train_counts: torch.Tensor, stream: torch.Tensor) -> float:

@@ -33,6 +33,33 @@ TRAIN_OBJECTS = [
     ("vendor", "vendors", "VND"), ("budget", "budgets", "BDG"), ("room", "rooms", "ROM"),
     ("employee", "employees", "EMP"),
 ]
+# More training objects, so a tool's object must be read from the request and the declarations
+# (copied), not recalled from a few dozen memorised names: (object, plural, id prefix) made by _obj.
+EXTRA_NOUNS = (
+    "agent asset badge banner batch bill bucket bundle cabinet calendar camera card cart channel chart "
+    "cluster comment company crate credit deal delivery deposit desk diagram domain draft driver "
+    "engine estimate expense feature feed file folder form fund gadget gallery gift goal grant group guest "
+    "habit ingredient issue item job journal kit label ledger license link locker log machine manual map "
+    "member menu message milestone mission module monitor offer office page panel parcel partner passport "
+    "pipeline plan planet plugin policy poll portfolio post printer profile prompt quote quiz receipt record "
+    "region release reservation resource review reward robot route rule schedule script season seat segment "
+    "service session shelf shift signal sketch slot snapshot song source space sprint stage station store "
+    "story studio supplier table tag team template tenant theme thread tier token tour track trade trip truck "
+    "unit venue video visit volume wallet webhook widget window workflow workshop zone"
+).split()
+
+
+def _plural(word: str) -> str:
+    if word.endswith("y") and word[-2] not in "aeiou":
+        return word[:-1] + "ies"
+    return word + ("es" if word.endswith(("s", "x", "ch", "sh")) else "s")
+
+
+def _obj(word: str) -> tuple[str, str, str]:
+    return (word, _plural(word), word.replace("_", "")[:3].upper())
+
+
+TRAIN_OBJECTS += [_obj(w) for w in EXTRA_NOUNS if w not in {o[0] for o in TRAIN_OBJECTS}]
 HELDOUT_OBJECTS = [
     ("contract", "contracts", "CTR"), ("package", "packages", "PKG"), ("lesson", "lessons", "LSN"),
     ("dataset", "datasets", "DST"), ("podcast", "podcasts", "POD"), ("listing", "listings", "LST"),
@@ -280,32 +307,48 @@ def pool_exchange(rng: random.Random, heldout: bool = False, distractors: tuple[
                   ) -> tuple[PoolCall, list[PoolTool]]:
     """A call of a random pool tool and the declared tools: it plus ``distractors`` (a range) others that share its
     verb or its object (so both words of the request matter), in random order."""
+    calls, declared = pool_exchanges(rng, heldout, distractors, 1)
+    return calls[0], declared
+
+
+def pool_exchanges(rng: random.Random, heldout: bool = False, distractors: tuple[int, int] = (1, 3), turns: int = 1
+                   ) -> tuple[list[PoolCall], list[PoolTool]]:
+    """``turns`` calls over one declared set (see :func:`pool_exchange`): the first call's tool and its
+    distractors, each later call of a random declared tool (so the choice is read from each request)."""
     objects = HELDOUT_OBJECTS if heldout else TRAIN_OBJECTS
     vi, obj = rng.randrange(len(VERBS)), rng.choice(objects)
-    make, call = VERBS[vi]
-    tool = make(obj)
-    others: list[PoolTool] = []
+    tool = VERBS[vi][0](obj)
+    others: list[tuple[PoolTool, int, Obj]] = []
     for _ in range(rng.randint(*distractors)):
         while True:
             kind = rng.random()
             o = obj if kind < 0.4 else rng.choice(objects)
             v = vi if 0.4 <= kind < 0.8 else rng.randrange(len(VERBS))
             cand = VERBS[v][0](o)
-            if cand.name != tool.name and cand not in others:
-                others.append(cand)
+            if cand.name != tool.name and cand not in [t for t, _, _ in others]:
+                others.append((cand, v, o))
                 break
-    declared = [tool, *others]
+    pool = [(tool, vi, obj), *others]
+    declared = [t for t, _, _ in pool]
     rng.shuffle(declared)
-    return call(rng, obj, tool, heldout), declared
+    calls = [VERBS[vi][1](rng, obj, tool, heldout)]
+    for _ in range(turns - 1):
+        t, v, o = rng.choice(pool)
+        calls.append(VERBS[v][1](rng, o, t, heldout))
+    return calls, declared
 
 
-def pool_messages(c: PoolCall, think: bool) -> list[dict[str, Any]]:
-    """The dialogue's messages: request, (thought and) call, the tool's result, the answer."""
-    return [
-        {"role": "user", "content": c.request},
-        {"role": "assistant", "reasoning_content": c.think if think else "", "content": "",
-         "tool_calls": [{"id": "call_1", "type": "function",
-                         "function": {"name": c.tool.name, "arguments": c.arguments}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": json.dumps(c.result, ensure_ascii=False)},
-        {"role": "assistant", "reasoning_content": "Report the result." if think else "", "content": c.answer},
-    ]
+def pool_messages(c: PoolCall | list[PoolCall], think: bool) -> list[dict[str, Any]]:
+    """The dialogue's messages: per call, the request, (thought and) call, the tool's result, the answer."""
+    out: list[dict[str, Any]] = []
+    for i, call in enumerate(c if isinstance(c, list) else [c]):
+        cid = f"call_{i + 1}"
+        out += [
+            {"role": "user", "content": call.request},
+            {"role": "assistant", "reasoning_content": call.think if think else "", "content": "",
+             "tool_calls": [{"id": cid, "type": "function",
+                             "function": {"name": call.tool.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": cid, "content": json.dumps(call.result, ensure_ascii=False)},
+            {"role": "assistant", "reasoning_content": "Report the result." if think else "", "content": call.answer},
+        ]
+    return out

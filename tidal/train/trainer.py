@@ -44,6 +44,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     chat_fraction: float = 0.3
     body_fraction: float = 0.0  # rows that start at a standalone function snippet
+    copy_fraction: float = 0.0  # rows of stdlib spans each written twice (targets on the copies)
     seed: int = 0
     qat: bool = True
     bf16: bool = False  # bf16 autocast of the matmuls
@@ -192,7 +193,7 @@ class Trainer:
     def train_step(self) -> float:
         cfg = self.cfg
         windows, mask = sample_batch(self.corpus, cfg.seed, self.step, cfg.batch_size, cfg.seq_len,
-                                     cfg.chat_fraction, cfg.body_fraction)
+                                     cfg.chat_fraction, cfg.body_fraction, cfg.copy_fraction)
         for g in self.opt.param_groups:
             g["lr"] = lr_at(cfg, self.step)
         with qat_cached(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
