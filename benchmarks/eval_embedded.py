@@ -14,7 +14,8 @@ Per model (through the engine, as the server runs it: float32 trunk, MXFP4 exper
   token-healed (the server's default for /v1/completions);
 - tool choice: share of the 40 held-out two-/three-tool prompts (tools and values training never
   declares, default effort ``low``) answered with a call of the right tool whose arguments are a
-  JSON object matching the declared schema; and the older metric, 50 prompts over the nine named
+  JSON object matching the declared schema, as the model writes it and as the server returns it
+  (held to the chat reply grammar: declared tools only, schema-valid arguments); and the older metric, 50 prompts over the nine named
   tools with held-out values (effort ``max``);
 - the README's chat example ("Write a Python function that reverses a list.") at the model's
   default effort: a closed fenced code block that parses within 64 tokens;
@@ -99,6 +100,12 @@ def evaluate(model_dir: str, args: argparse.Namespace, show: int) -> dict:
     res.update(pool_tool_call_rate=ok, pool_tool_name_rate=named)
     print(f"  held-out 2/3-tool prompts (40): {ok:.1%} right tool with schema-valid arguments ({named:.1%} right tool)")
     for r in replies[:show]:
+        print(f"  --- {r!r}")
+    ok_s, named_s, replies_s = pool_tool_rates(llm, 40, served=True)
+    res.update(pool_served_call_rate=ok_s, pool_served_name_rate=named_s)
+    print(f"  the same through the server's reply grammar (what /v1/chat/completions returns, tool_choice auto): "
+          f"{ok_s:.1%} right tool with schema-valid arguments ({named_s:.1%} right tool)")
+    for r in replies_s[:show]:
         print(f"  --- {r!r}")
     ok9, named9, _ = tool_rates(load_model(model_dir, torch.float32), tok, 50)
     res.update(tool_call_rate=ok9, tool_name_rate=named9)

@@ -254,3 +254,32 @@ def test_multi_turn_pool_dialogues_call_each_turns_tool():
             seen += 1
     assert seen > 30
     assert len(TRAIN_OBJECTS) >= 150 and len(pool_tools()) >= 1500
+
+
+def test_served_pool_replies_hold_to_the_reply_grammar():
+    """The eval's served mode adds the grammar the server puts on a chat request with tools: the
+    embedded model's replies then call only declared tools with schema-valid arguments, where its
+    own replies call tools it saw in training (so the mode is not a no-op)."""
+    import json
+
+    import jsonschema
+
+    from tidal import LLM
+    from tidal.serve.chat import K3Format
+    from tidal.train.evaluate import POOL_PROMPT_SEED, chat_replies
+
+    llm = LLM(str(embedded_model_dir()), kv_cache_memory_bytes=1 << 24)
+    convs = heldout_pool_prompts(random.Random(POOL_PROMPT_SEED), 2)
+    own = chat_replies(llm, convs, 96)
+    served = chat_replies(llm, convs, 96, served=True)
+    declared_calls = 0
+    for conv, reply in zip(convs, served):
+        tools = {t["function"]["name"]: t["function"]["parameters"] for t in conv.tools}
+        for call in K3Format().parse_full(reply, thinking=True).tool_calls:
+            assert call.name in tools
+            jsonschema.validate(json.loads(call.arguments or "{}"), tools[call.name])
+            declared_calls += 1
+    assert declared_calls >= 1
+    undeclared = [c.name for conv, r in zip(convs, own) for c in K3Format().parse_full(r, thinking=True).tool_calls
+                  if c.name not in {t["function"]["name"] for t in conv.tools}]
+    assert undeclared

@@ -216,13 +216,20 @@ README_CHAT = "Write a Python function that reverses a list."
 POOL_PROMPT_SEED = 2121  # the 40 held-out two-/three-tool prompts
 
 
-def engine_complete(llm, prompts: list, max_tokens: int, token_healing: bool = False) -> list[tuple[str, bool]]:
+def engine_complete(llm, prompts: list, max_tokens: int, token_healing: bool = False,
+                    grammars: list[str | None] | None = None) -> list[tuple[str, bool]]:
     """Greedy completions (text with special markers, whether a stop token ended it) of text
-    prompts or ``{"prompt_token_ids": ...}`` dicts, through :class:`tidal.LLM`'s engine."""
-    from tidal.sampling_params import SamplingParams
+    prompts or ``{"prompt_token_ids": ...}`` dicts, through :class:`tidal.LLM`'s engine; with
+    ``grammars``, each held to its llguidance grammar (what the server adds to a chat request)."""
+    from tidal.sampling_params import SamplingParams, StructuredOutputsParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, token_healing=token_healing, skip_special_tokens=False)
-    return [(o.outputs[0].text, o.outputs[0].finish_reason == "stop") for o in llm.generate(prompts, sp)]
+    def params(grammar: str | None) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, token_healing=token_healing,
+                              skip_special_tokens=False,
+                              structured_outputs=StructuredOutputsParams(llguidance=grammar) if grammar else None)
+
+    sps = [params(g) for g in grammars] if grammars is not None else params(None)
+    return [(o.outputs[0].text, o.outputs[0].finish_reason == "stop") for o in llm.generate(prompts, sps)]
 
 
 def body_parses(prompt: str, completion: str, ended: bool) -> bool:
@@ -262,18 +269,26 @@ def signature_rates(llm, signatures: list[str], max_tokens: int = 96) -> dict[st
     return out
 
 
-def chat_replies(llm, convs: list[Conversation], max_tokens: int) -> list[str]:
+def chat_replies(llm, convs: list[Conversation], max_tokens: int, served: bool = False) -> list[str]:
+    """Greedy replies to ``convs``; with ``served``, each held to the reply grammar the server puts
+    on a chat request with these tools (tool_choice auto: only declared tools, schema-valid arguments)."""
+    from tidal.serve.chat import K3Format
+
     tok = llm.tokenizer
-    prompts = [{"prompt_token_ids": c.render(add_generation_prompt=True).token_ids(tok)} for c in convs]
-    return [t for t, _ in engine_complete(llm, prompts, max_tokens)]
+    rendered = [c.render(add_generation_prompt=True) for c in convs]
+    prompts = [{"prompt_token_ids": r.token_ids(tok)} for r in rendered]
+    grammars = [K3Format().reply_grammar(r, tools=c.tools, tool_choice="auto") for r, c in zip(rendered, convs)] \
+        if served else None
+    return [t for t, _ in engine_complete(llm, prompts, max_tokens, grammars=grammars)]
 
 
-def pool_tool_rates(llm, n: int = 40, max_tokens: int = 160) -> tuple[float, float, list[str]]:
-    """(valid right-tool call share, right-tool share, replies) over the held-out pool prompts."""
+def pool_tool_rates(llm, n: int = 40, max_tokens: int = 160, served: bool = False) -> tuple[float, float, list[str]]:
+    """(valid right-tool call share, right-tool share, replies) over the held-out pool prompts: the
+    model's own replies, or with ``served`` the replies /v1/chat/completions gives (reply grammar)."""
     from tidal.train.conversations import heldout_pool_prompts
 
     convs = heldout_pool_prompts(random.Random(POOL_PROMPT_SEED), n)
-    replies = chat_replies(llm, convs, max_tokens)
+    replies = chat_replies(llm, convs, max_tokens, served)
     checks = [tool_call_check(r, c) for r, c in zip(replies, convs)]
     return sum(v for v, _ in checks) / n, sum(r for _, r in checks) / n, replies
 
