@@ -90,14 +90,19 @@ def measure(engine, steps: int) -> tuple[collections.Counter, float]:
     return c.calls, statistics.median(times)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def step_arguments(doc: str, steps: int) -> argparse.ArgumentParser:
+    """The options of the decode-step benchmarks (this one, profile_step.py)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=CONFIG)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--steps", type=int, default=24)
-    args = ap.parse_args(argv)
+    ap.add_argument("--steps", type=int, default=steps)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = step_arguments(__doc__, 24).parse_args(argv)
     torch.set_num_threads(args.threads)
     label_modules()
     vocab = json.loads(args.config.read_text())["text_config"]["vocab_size"]

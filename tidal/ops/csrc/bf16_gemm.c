@@ -21,6 +21,7 @@ static inline __m256 load8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 #define TILE_LOAD8 load8
+#define TILE_PREFETCH 1
 #endif
 
 static inline float bf16(uint16_t v) {

@@ -10,6 +10,12 @@
  *
  * Tile shapes: 4 x 3 where there are 4 rows, else as many weight rows as the registers hold
  * (1 x 8, 2 x 6, 3 x 4), so a decode step streams several weight rows at once.
+ *
+ * TILE_PREFETCH (weights streamed from memory, bf16_gemm.c): while a tile runs, the next C weight
+ * rows (pf: C * K contiguous elements) are prefetched, one cache line per 64 bytes of them, spread
+ * evenly over the tile's k steps. A panel's rows are too short for the hardware prefetcher to ramp
+ * up on (one row is a few cache lines, C of them are read side by side); this keeps the next panel
+ * arriving while the current one is multiplied. Prefetches change no result.
  */
 #include <stdint.h>
 
@@ -36,12 +42,19 @@ static inline float lanes_sum(__m256 a) {
  * constants at each call, so the accumulators stay in registers. Which operand is loaded first only
  * fits the registers (16 ymm); each accumulator's order is fixed. */
 static inline __attribute__((always_inline)) void tile(const int R, const int C, const float *x, int64_t K,
-                                                       const TILE_W *w, int64_t ws, float *out, int64_t N) {
+                                                       const TILE_W *w, int64_t ws, float *out, int64_t N,
+                                                       const char *pf) {
     const int64_t K8 = K / 8 * 8;
     __m256 a[MAX_R][MAX_C];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) a[r][c] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K8; k += 8) {
+#ifdef TILE_PREFETCH
+        /* the next panel's bytes [k, k + 8) * C * sizeof(TILE_W): C * 16 bytes per step for bf16 */
+        if (pf != NULL)
+            for (int64_t b = 0; b < C * 8 * (int64_t)sizeof(TILE_W); b += 64)
+                _mm_prefetch(pf + k * C * (int64_t)sizeof(TILE_W) + b, _MM_HINT_T0);
+#endif
         if (R * C + R + 1 <= 16) {  /* the rows' x in registers, each weight vector used once */
             __m256 xv[MAX_R];
             for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + r * K + k);
@@ -63,7 +76,8 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
 }
 #else
 static inline void tile(const int R, const int C, const float *x, int64_t K, const TILE_W *w, int64_t ws,
-                        float *out, int64_t N) {
+                        float *out, int64_t N, const char *pf) {
+    (void)pf;
     const int64_t K8 = K / 8 * 8;
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
@@ -79,8 +93,9 @@ static inline void tile(const int R, const int C, const float *x, int64_t K, con
 #endif
 
 /* the tile of R rows by C weight rows (C <= COLS_FOR_ROWS[R]), each shape its own specialised code */
-#define CASE(R, C) case (R) * 16 + (C): tile(R, C, x, K, w, ws, out, N); break;
-static void any_tile(int R, int C, const float *x, int64_t K, const TILE_W *w, int64_t ws, float *out, int64_t N) {
+#define CASE(R, C) case (R) * 16 + (C): tile(R, C, x, K, w, ws, out, N, pf); break;
+static void any_tile(int R, int C, const float *x, int64_t K, const TILE_W *w, int64_t ws, float *out, int64_t N,
+                     const char *pf) {
     switch (R * 16 + C) {
         CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(1, 5) CASE(1, 6) CASE(1, 7) CASE(1, 8)
         CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4) CASE(2, 5) CASE(2, 6)
@@ -91,16 +106,22 @@ static void any_tile(int R, int C, const float *x, int64_t K, const TILE_W *w, i
 #undef CASE
 
 /* rows [t0, t1) of x times weight rows [j0, j1) (w points at row j0) into out (row stride N, at
- * column j0): weight-row panels of the tile width, all row tiles under each panel. */
+ * column j0): weight-row panels of the tile width, all row tiles under each panel. Under
+ * TILE_PREFETCH, with contiguous weight rows (ws == K), the first row tile of each panel prefetches
+ * the next panel (up to j1 + one panel: the next work item's first rows). */
 static void rows_times_panel(const float *x, int64_t K, int64_t t0, int64_t t1, const TILE_W *w, int64_t ws,
                              int64_t j0, int64_t j1, float *out, int64_t N) {
     const int64_t rows = t1 - t0;
     const int cols = COLS_FOR_ROWS[rows < MAX_R ? rows : MAX_R];
     for (int64_t j = j0; j < j1; j += cols) {
         const int C = j1 - j < cols ? (int)(j1 - j) : cols;
+        const char *pf = NULL;
+#ifdef TILE_PREFETCH
+        if (ws == K && j + C < j1 + cols) pf = (const char *)(w + (j - j0 + C) * ws);
+#endif
         for (int64_t t = t0; t < t1; t += MAX_R) {
             const int R = t1 - t < MAX_R ? (int)(t1 - t) : MAX_R;
-            any_tile(R, C, x + t * K, K, w + (j - j0) * ws, ws, out + t * N + j, N);
+            any_tile(R, C, x + t * K, K, w + (j - j0) * ws, ws, out + t * N + j, N, t == t0 ? pf : NULL);
         }
     }
 }
