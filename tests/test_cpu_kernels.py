@@ -154,6 +154,7 @@ def test_paged_mla_decode_matches_float64_reference(dtype):
     try:
         with pytest.MonkeyPatch.context() as m:
             m.setattr(cpu_kernels, "mla_decode_kernel", lambda: None)
+            m.setenv("TIDAL_FUSED_DECODE", "0")  # nor the absorbed kernel (csrc/mla_decode.c)
             fallback = mla_paged_decode(q_nope, q_pe, pages, table, lens, kv_b, 0.3)
     finally:
         cpu_kernels.mla_decode_kernel.cache_clear()
@@ -178,6 +179,73 @@ def test_paged_mla_kernel_is_bitwise_batch_and_thread_invariant():
             assert torch.equal(alone[0], together[b])
     finally:
         torch.set_num_threads(threads)
+
+
+def absorbed_case(gen: torch.Generator, lengths: list[int], dtype: torch.dtype):
+    """paged_case in ``dtype`` throughout, the queries as views of one projection row (q_nope and
+    q_pe interleaved per head, as MLA.forward splits them)."""
+    pages, table, lens, rows, _, _, kv_b = paged_case(gen, lengths, dtype)
+    q = torch.randn(len(lengths), N_HEADS, D_NOPE + D_ROPE, generator=gen).to(dtype)
+    q_nope, q_pe = q.split([D_NOPE, D_ROPE], dim=-1)
+    return pages, table, lens, rows, q_nope, q_pe, kv_b.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_absorbed_mla_decode_reads_kv_b_in_place_and_matches_float64(dtype):
+    """The whole absorbed decode in C (query absorption, paged attention, output absorption) with
+    kv_b_proj's weight in its own dtype: == the float64 reference within the rounding of its dtype,
+    and == the torch path (kernel off) within float32 rounding."""
+    from tidal.ops.mla import mla_absorbed_attention, mla_paged_decode, pad_latents
+
+    if cpu_kernels.mla_absorbed_kernel() is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(13)
+    lengths = [1, 7, 4, 13, 30]
+    pages, table, lens, rows, q_nope, q_pe, kv_b = absorbed_case(gen, lengths, dtype)
+    assert cpu_kernels.mla_absorbed_for(pages, q_nope, q_pe, kv_b) is not None
+    got = mla_paged_decode(q_nope, q_pe, pages, table, lens, kv_b, 0.3)
+    assert got.dtype == dtype and got.shape == (len(lengths), N_HEADS, D_V)
+    latents, _ = pad_latents([r.double() for r in rows])
+    want = mla_absorbed_attention(q_nope[:, None].double(), q_pe[:, None].double(), latents, lens, kv_b.double(),
+                                  0.3)[:, 0]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("TIDAL_FUSED_DECODE", "0")
+        assert cpu_kernels.mla_absorbed_for(pages, q_nope, q_pe, kv_b) is None
+        torch_path = mla_paged_decode(q_nope, q_pe, pages, table, lens, kv_b, 0.3)
+    torch.testing.assert_close(got.double(), torch_path.double(), rtol=tol, atol=tol)
+
+
+def test_absorbed_mla_decode_is_bitwise_batch_and_thread_invariant():
+    decode = cpu_kernels.mla_absorbed_kernel()
+    if decode is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(14)
+    for dtype in (torch.float32, torch.bfloat16):
+        pages, table, lens, _, q_nope, q_pe, kv_b = absorbed_case(gen, [9, 2, 17, 5, 1, 8, 3, 12], dtype)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)
+            together = decode(q_nope, q_pe, pages, table, lens, kv_b, 0.5)
+            torch.set_num_threads(1)
+            for b in range(len(lens)):
+                alone = decode(q_nope[b : b + 1], q_pe[b : b + 1], pages, table[b : b + 1], lens[b : b + 1], kv_b, 0.5)
+                assert torch.equal(alone[0], together[b])
+        finally:
+            torch.set_num_threads(threads)
+
+
+def test_absorbed_mla_decode_declines_what_it_does_not_cover():
+    gen = torch.Generator().manual_seed(15)
+    pages, _, _, _, q_nope, q_pe, kv_b = absorbed_case(gen, [3], torch.float32)
+    assert cpu_kernels.mla_absorbed_for(pages.double(), q_nope, q_pe, kv_b) is None
+    assert cpu_kernels.mla_absorbed_for(pages, q_nope.double(), q_pe.double(), kv_b) is None
+    assert cpu_kernels.mla_absorbed_for(pages, q_nope, q_pe.to(torch.bfloat16), kv_b) is None
+    assert cpu_kernels.mla_absorbed_for(pages, q_nope, q_pe, kv_b.t()) is None  # not contiguous
+    assert cpu_kernels.mla_absorbed_for(pages, q_nope, q_pe, kv_b[:, :-1].contiguous()) is None  # rank != pages
+    with torch.enable_grad():
+        assert cpu_kernels.mla_absorbed_for(pages, q_nope.clone().requires_grad_(), q_pe, kv_b) is None
 
 
 # ---- grouped few-rows matmul (routed experts at decode) ---------------------------------------------

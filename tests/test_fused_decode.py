@@ -341,9 +341,11 @@ def test_kernels_off_when_cpu_kernels_disabled(monkeypatch):
 # ---- the engine ----------------------------------------------------------------------------------
 
 
-def test_engine_greedy_tokens_equal_with_and_without_the_fused_kernels(monkeypatch):
+def test_engine_greedy_tokens_equal_with_and_without_the_fused_kernels(monkeypatch, dtype="float32"):
     """float32 embedded model: the same greedy tokens with the kernels on (batched and alone) and
-    off, and the KDA layers really ran their fused step."""
+    off, and the KDA layers really ran their fused step. (In bfloat16 the torch ops and the C
+    kernels round differently, so the whole switch flips near-tied tokens; the bf16 test below
+    switches the MLA decode kernel alone.)"""
     calls = []
     real = fused_decode.kda_layer_decode
 
@@ -353,7 +355,7 @@ def test_engine_greedy_tokens_equal_with_and_without_the_fused_kernels(monkeypat
         return out
 
     monkeypatch.setattr(fused_decode, "kda_layer_decode", counted)
-    llm = LLM(str(embedded_model_dir()), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    llm = LLM(str(embedded_model_dir()), dtype=dtype, skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
     prompts = [[5, 17, 99, 3], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9], [42] * 6, list(range(30, 60))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -369,3 +371,26 @@ def test_engine_greedy_tokens_equal_with_and_without_the_fused_kernels(monkeypat
     assert greedy(True) == want
     assert any(calls)
     assert greedy(False) == want
+
+
+def test_engine_bf16_greedy_tokens_equal_with_and_without_the_absorbed_mla_kernel(monkeypatch):
+    """bfloat16 embedded model: the same greedy tokens whether MLA decode reads kv_b_proj's bf16
+    weight in place (csrc/mla_decode.c) or through the float32 copy of the torch path."""
+    from tidal.ops import mla as mla_ops
+
+    calls = []
+    real = mla_ops.mla_absorbed_for
+
+    def counted(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(mla_ops, "mla_absorbed_for", counted)
+    llm = LLM(str(embedded_model_dir()), dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9], list(range(30, 60)))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    on = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert calls and all(calls)
+    monkeypatch.setattr(mla_ops, "mla_absorbed_for", lambda *args: None)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == on

@@ -167,6 +167,56 @@ def mla_decode_for(pages: torch.Tensor, query: torch.Tensor) -> Callable[..., to
 
 
 @cache
+def mla_absorbed_kernel() -> Callable[..., torch.Tensor] | None:
+    """csrc/mla_decode.c's ``mla_absorbed_decode``: the whole absorbed decode (query absorption, paged
+    attention, output absorption) with kv_b_proj's weight read in place, or None."""
+    fn = _function("mla_decode", "mla_absorbed_decode",
+                   [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, ctypes.c_int, _PTR,
+                    ctypes.c_int, *[_I64] * 6, ctypes.c_float, ctypes.c_int, ctypes.c_int])
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int
+
+    def decode(q_nope: torch.Tensor, q_pe: torch.Tensor, pages: torch.Tensor, table: torch.Tensor,
+               lengths: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
+        B, n, dn = q_nope.shape
+        r = w.shape[1]
+        dv = w.shape[0] // n - dn
+        table, lengths = table.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
+        strides = torch.tensor([q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1)])
+        out = torch.empty(B, n, dv, dtype=q_nope.dtype)
+        bf16 = torch.bfloat16
+        if fn(_ptr(pages), pages.stride(0), pages.shape[1], _ptr(table), table.shape[1], _ptr(lengths), _ptr(q_nope),
+              _ptr(q_pe), _ptr(strides), _ptr(strides[2:]), int(q_nope.dtype == bf16), _ptr(w), int(w.dtype == bf16),
+              _ptr(out), int(out.dtype == bf16), B, n, dn, dv, pages.shape[2], r, scale, int(pages.dtype == bf16),
+              torch.get_num_threads()) != 0:
+            raise MemoryError(f"mla_absorbed_decode: no scratch memory for {B} sequences")
+        return out
+
+    return decode
+
+
+def mla_absorbed_for(pages: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                     w: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """The C absorbed decode when it applies: CPU pages [P, page_size, r + d_rope] of float32 or
+    bfloat16 rows (each page's rows contiguous), queries [B, n, d] of one of those dtypes with a
+    contiguous last dim, a contiguous kv_b weight [n (d_nope + d_v), r] of float32 or bfloat16, no
+    autograd, and the fused decode kernels on (``TIDAL_FUSED_DECODE``)."""
+    dtypes = (torch.float32, torch.bfloat16)
+    tensors = (pages, q_nope, q_pe, w)
+    if (not fused_decode_enabled() or any(t.device.type != "cpu" or t.dtype not in dtypes for t in tensors)
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+        return None
+    n, dn = q_nope.shape[1], q_nope.shape[2]
+    if (pages.dim() != 3 or pages.stride()[1:] != (pages.shape[2], 1) or q_nope.dim() != 3 or q_pe.dim() != 3
+            or q_pe.dtype != q_nope.dtype or q_nope.stride(2) != 1 or q_pe.stride(2) != 1 or w.dim() != 2
+            or not w.is_contiguous() or w.shape[0] % n or w.shape[0] // n <= dn
+            or pages.shape[2] != w.shape[1] + q_pe.shape[2]):
+        return None
+    return mla_absorbed_kernel()
+
+
+@cache
 def grouped_gemm_kernel() -> Callable[..., torch.Tensor] | None:
     """The C grouped few-rows matmul (see csrc/grouped_gemm.c), or None where it is unavailable."""
     fn = _function("grouped_gemm", "grouped_rows_gemm",

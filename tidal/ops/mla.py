@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from tidal.model.layers import compute_dtype
-from tidal.ops.cpu_kernels import mla_decode_for
+from tidal.ops.cpu_kernels import mla_absorbed_for, mla_decode_for
 
 # Upper bound on score elements (heads x queries x keys) the naive kernel materialises at once;
 # longer prefills are processed in query chunks so memory stays bounded (~1 GiB in float32).
@@ -140,6 +140,9 @@ def mla_paged_decode(
     the longest sequence (the same math; the tests compare them)."""
     from tidal.ops.mla_tiled import mla_tiled_attention  # it builds on this module's split_kv_b
 
+    absorbed = mla_absorbed_for(pages, q_nope, q_pe, kv_b_weight)
+    if absorbed is not None:  # kv_b_proj's weight read in place: no float32 copy of it per step
+        return absorbed(q_nope, q_pe, pages, table, lengths, kv_b_weight, scale)
     B, n, dn = q_nope.shape
     cdt = compute_dtype(q_nope.dtype)
     w_uk, w_uv = split_kv_b(kv_b_weight.to(cdt), n, dn)

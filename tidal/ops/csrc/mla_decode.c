@@ -10,18 +10,65 @@
  *
  * query [B, n, C] float32, table [B, max_pages] int64, lengths [B] int64, o_lat [B, n, r] float32;
  * rows are float32 (bf16 == 0) or bfloat16 (bf16 == 1).
+ *
+ * mla_absorbed_decode: the same with the weight absorption on both sides, from kv_b_proj's weight
+ * in place (see below).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-static inline float load(const void *base, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)base)[i];
-    uint32_t bits = ((uint32_t)((const uint16_t *)base)[i]) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+#include "bf16_scalar.h"
+
+/* One sequence: o_lat (acc [n, r]) from its query qb [n, C] over its `length` cached rows, pages
+ * table[0 ..]; scratch m: 2 n + page_size (C + 1) floats. */
+static void attend(const void *layer_base, int64_t page_stride, int64_t page_size, const int64_t *table,
+                   int64_t length, const float *qb, float *acc, int64_t n, int64_t C, int64_t r, float scale,
+                   int bf16, float *m) {
+    float *l = m + n, *scores = m + 2 * n, *tile = scores + page_size;
+    for (int64_t h = 0; h < n; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(n * r));
+    for (int64_t t0 = 0; t0 < length; t0 += page_size) {  /* one page of rows at a time */
+        const int64_t rows = length - t0 < page_size ? length - t0 : page_size;
+        const int64_t page = table[t0 / page_size];
+        const float *rows_f32 = (const float *)layer_base + page * page_stride;  /* a page's rows are contiguous */
+        if (bf16)
+            for (int64_t j = 0; j < rows * C; j++) tile[j] = load_value(layer_base, page * page_stride + j, 1);
+        const float *restrict block = bf16 ? tile : rows_f32;
+        for (int64_t h = 0; h < n; h++) {
+            const float *restrict qh = qb + h * C;
+            float *restrict ah = acc + h * r;
+            float top = m[h];
+            for (int64_t i = 0; i < rows; i++) {
+                const float *restrict x = block + i * C;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t j = 0; j < C; j++) s += qh[j] * x[j];
+                scores[i] = s * scale;
+                if (scores[i] > top) top = scores[i];
+            }
+            if (top > m[h]) {  /* rescale what was accumulated against the new maximum */
+                const float c = expf(m[h] - top);
+                l[h] *= c;
+                for (int64_t j = 0; j < r; j++) ah[j] *= c;
+                m[h] = top;
+            }
+            for (int64_t i = 0; i < rows; i++) {
+                const float p = expf(scores[i] - top);
+                const float *restrict x = block + i * C;
+                l[h] += p;
+                for (int64_t j = 0; j < r; j++) ah[j] += p * x[j];
+            }
+        }
+    }
+    for (int64_t h = 0; h < n; h++) {
+        const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+        for (int64_t j = 0; j < r; j++) acc[h * r + j] *= inv;
+    }
 }
 
 void mla_paged_decode(const void *layer_base, int64_t page_stride, int64_t page_size, const int64_t *table,
@@ -30,51 +77,61 @@ void mla_paged_decode(const void *layer_base, int64_t page_stride, int64_t page_
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1)
     for (int64_t b = 0; b < B; b++) {
         float *m = malloc(sizeof(float) * (size_t)(2 * n + page_size * (C + 1)));
-        float *l = m + n, *scores = m + 2 * n, *tile = scores + page_size;
-        float *acc = o_lat + b * n * r;
-        const float *qb = query + b * n * C;
-        for (int64_t h = 0; h < n; h++) {
-            m[h] = -INFINITY;
-            l[h] = 0.0f;
-        }
-        memset(acc, 0, sizeof(float) * (size_t)(n * r));
-        for (int64_t t0 = 0; t0 < lengths[b]; t0 += page_size) {  /* one page of rows at a time */
-            const int64_t rows = lengths[b] - t0 < page_size ? lengths[b] - t0 : page_size;
-            const int64_t page = table[b * max_pages + t0 / page_size];
-            const float *rows_f32 = (const float *)layer_base + page * page_stride;  /* a page's rows are contiguous */
-            if (bf16)
-                for (int64_t j = 0; j < rows * C; j++) tile[j] = load(layer_base, page * page_stride + j, 1);
-            const float *restrict block = bf16 ? tile : rows_f32;
-            for (int64_t h = 0; h < n; h++) {
-                const float *restrict qh = qb + h * C;
-                float *restrict ah = acc + h * r;
-                float top = m[h];
-                for (int64_t i = 0; i < rows; i++) {
-                    const float *restrict x = block + i * C;
-                    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                    for (int64_t j = 0; j < C; j++) s += qh[j] * x[j];
-                    scores[i] = s * scale;
-                    if (scores[i] > top) top = scores[i];
-                }
-                if (top > m[h]) {  /* rescale what was accumulated against the new maximum */
-                    const float c = expf(m[h] - top);
-                    l[h] *= c;
-                    for (int64_t j = 0; j < r; j++) ah[j] *= c;
-                    m[h] = top;
-                }
-                for (int64_t i = 0; i < rows; i++) {
-                    const float p = expf(scores[i] - top);
-                    const float *restrict x = block + i * C;
-                    l[h] += p;
-                    for (int64_t j = 0; j < r; j++) ah[j] += p * x[j];
-                }
-            }
-        }
-        for (int64_t h = 0; h < n; h++) {
-            const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-            for (int64_t j = 0; j < r; j++) acc[h * r + j] *= inv;
-        }
+        if (m != NULL)
+            attend(layer_base, page_stride, page_size, table + b * max_pages, lengths[b], query + b * n * C,
+                   o_lat + b * n * r, n, C, r, scale, bf16, m);
         free(m);
     }
+}
+
+/* The whole absorbed decode of tidal.ops.mla.mla_paged_decode for one query per sequence, with
+ * kv_b_proj's weight w [n * (dn + dv), r] (float32 or bfloat16: w_bf16) read in place, no float32
+ * copy of it: query[h] = [q_nope[h] @ W_UK[h] | q_pe[h]] (W_UK[h] = rows h (dn + dv) .. + dn), the
+ * paged attention above, then out[h] = o_lat[h] @ W_UV[h]^T (the next dv rows), stored in the
+ * rows' dtype (out_bf16). q_nope [B, n, dn] and q_pe [B, n, C - r] (float32 or bfloat16: q_bf16)
+ * at strides qn[0], qn[1] and qp[0], qp[1] (the last dim contiguous); out [B, n, dv] contiguous. One thread computes a
+ * sequence in a fixed order (float32 sums over d, then over the rank): row-invariant. Returns 0, or
+ * -1 when scratch memory cannot be allocated. */
+int mla_absorbed_decode(const void *layer_base, int64_t page_stride, int64_t page_size, const int64_t *table,
+                        int64_t max_pages, const int64_t *lengths, const void *q_nope, const void *q_pe,
+                        const int64_t *qn, const int64_t *qp, int q_bf16, const void *w, int w_bf16, void *out, int out_bf16,
+                        int64_t B, int64_t n, int64_t dn, int64_t dv, int64_t C, int64_t r, float scale, int bf16,
+                        int num_threads) {
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && B > 1)
+    for (int64_t b = 0; b < B; b++) {
+        float *query = malloc(sizeof(float) * (size_t)(n * C + n * r + 2 * n + page_size * (C + 1)));
+        if (query == NULL) {
+            failed = 1;
+            continue;
+        }
+        float *o_lat = query + n * C, *scratch = o_lat + n * r;
+        for (int64_t h = 0; h < n; h++) {
+            float *qh = query + h * C;
+            const int64_t wk = h * (dn + dv) * r;  /* W_UK[h]: dn rows of r */
+            for (int64_t j = 0; j < r; j++) qh[j] = 0.0f;
+            for (int64_t d = 0; d < dn; d++) {
+                const float q = load_value(q_nope, b * qn[0] + h * qn[1] + d, q_bf16);
+                for (int64_t j = 0; j < r; j++) qh[j] += q * load_value(w, wk + d * r + j, w_bf16);
+            }
+            for (int64_t j = r; j < C; j++) qh[j] = load_value(q_pe, b * qp[0] + h * qp[1] + (j - r), q_bf16);
+        }
+        attend(layer_base, page_stride, page_size, table + b * max_pages, lengths[b], query, o_lat, n, C, r, scale,
+               bf16, scratch);
+        for (int64_t h = 0; h < n; h++) {
+            const float *oh = o_lat + h * r;
+            const int64_t wv = (h * (dn + dv) + dn) * r;  /* W_UV[h]: dv rows of r */
+            for (int64_t v = 0; v < dv; v++) {
+                float s = 0.0f;
+                for (int64_t j = 0; j < r; j++) s += oh[j] * load_value(w, wv + v * r + j, w_bf16);
+                const int64_t i = (b * n + h) * dv + v;
+                if (out_bf16)
+                    ((uint16_t *)out)[i] = float_to_bf16(s);
+                else
+                    ((float *)out)[i] = s;
+            }
+        }
+        free(query);
+    }
+    return failed ? -1 : 0;
 }

@@ -44,7 +44,8 @@ static inline float e8m0(uint8_t s) {
 
 /* The 32 values of one block (16 packed bytes) times its scale, into v[32]. */
 #ifdef TILE_AVX2
-static inline void decode_block(const uint8_t *restrict p, uint8_t scale, float *restrict v) {
+/* ... as four vectors of 8 (columns 0..7, 8..15, 16..23, 24..31), in registers */
+static inline __attribute__((always_inline)) void decode_block8(const uint8_t *restrict p, uint8_t scale, __m256 v[4]) {
     /* twice the E2M1 values as int8 (exact integers) for a byte shuffle, times half the scale */
     const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
     const __m128i low4 = _mm_set1_epi8(0x0F);
@@ -53,10 +54,36 @@ static inline void decode_block(const uint8_t *restrict p, uint8_t scale, float 
     const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
     const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);  /* columns 0..15, 16..31 */
     const __m256 s = _mm256_set1_ps(0.5f * e8m0(scale));
-    _mm256_storeu_ps(v, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c0)), s));
-    _mm256_storeu_ps(v + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c0, 8))), s));
-    _mm256_storeu_ps(v + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c1)), s));
-    _mm256_storeu_ps(v + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c1, 8))), s));
+    v[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c0)), s);
+    v[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c0, 8))), s);
+    v[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c1)), s);
+    v[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c1, 8))), s);
+}
+
+static inline void decode_block(const uint8_t *restrict p, uint8_t scale, float *restrict v) {
+    __m256 r[4];
+    decode_block8(p, scale, r);
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(v + 8 * i, r[i]);
+}
+
+/* One row x (K values) times weight rows [j, j + C) of one expert (C <= MAX_C) -> out[0 .. C): the
+ * blocks decoded in registers straight into the fused multiply-adds, without the L1 panel. Each
+ * output's order is the tiles' (one 8-lane accumulator over k in steps of 8, lanes_sum; K % 32 == 0
+ * leaves no tail) and the decoded values are decode_block's, so the bits equal the panel path's. */
+static void row_times_packed(const float *x, int64_t K, const uint8_t *we, const uint8_t *se, int64_t j, int C,
+                             float *out) {
+    const int64_t row_bytes = K / 2, row_scales = K / 32;
+    __m256 a[MAX_C];
+    for (int c = 0; c < C; c++) a[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < row_scales; b++) {
+        const float *xb = x + b * 32;
+        for (int c = 0; c < C; c++) {
+            __m256 v[4];
+            decode_block8(we + (j + c) * row_bytes + b * 16, se[(j + c) * row_scales + b], v);
+            for (int i = 0; i < 4; i++) a[c] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xb + 8 * i), a[c]);
+        }
+    }
+    for (int c = 0; c < C; c++) out[c] = lanes_sum(a[c]);
 }
 #else
 /* E2M1 code -> value; codes 8..15 are the negatives (8 = -0). */
@@ -103,6 +130,12 @@ void mxfp4_grouped_gemm(const float *x, int64_t K, const int64_t *offsets, const
             const int64_t j1 = (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N;
             for (int64_t j = c * ROW_CHUNK; j < j1; j += cols) {
                 const int C = j1 - j < cols ? (int)(j1 - j) : cols;
+#ifdef TILE_AVX2
+                if (rows == 1) {  /* a decode row: nothing to reuse a decoded panel for */
+                    row_times_packed(x + t0 * K, K, we, se, j, C, out + t0 * N + j);
+                    continue;
+                }
+#endif
                 decode_rows(we, se, K, j, C, panel);
                 rows_times_panel(x, K, t0, t1, panel, K, j, j + C, out, N);
             }

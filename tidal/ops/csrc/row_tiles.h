@@ -15,11 +15,13 @@
  * rows (pf: C * K contiguous elements) are prefetched, one cache line per 64 bytes of them, spread
  * evenly over the tile's k steps. A panel's rows are too short for the hardware prefetcher to ramp
  * up on (one row is a few cache lines, C of them are read side by side); this keeps the next panel
- * arriving while the current one is multiplied. Prefetches change no result.
+ * arriving while the current one is multiplied. Rows longer than TILE_PREFETCH_MAX_ROW_BYTES are
+ * streams the hardware follows by itself (measured no faster with it). Prefetches change no result.
  */
 #include <stdint.h>
 
 #define MAX_R 4
+#define TILE_PREFETCH_MAX_ROW_BYTES 2048
 #define MAX_C 8
 static const int COLS_FOR_ROWS[MAX_R + 1] = {0, 8, 6, 4, 3};
 
@@ -117,7 +119,8 @@ static void rows_times_panel(const float *x, int64_t K, int64_t t0, int64_t t1, 
         const int C = j1 - j < cols ? (int)(j1 - j) : cols;
         const char *pf = NULL;
 #ifdef TILE_PREFETCH
-        if (ws == K && j + C < j1 + cols) pf = (const char *)(w + (j - j0 + C) * ws);
+        if (ws == K && K * (int64_t)sizeof(TILE_W) <= TILE_PREFETCH_MAX_ROW_BYTES && j + C < j1 + cols)
+            pf = (const char *)(w + (j - j0 + C) * ws);
 #endif
         for (int64_t t = t0; t < t1; t += MAX_R) {
             const int R = t1 - t < MAX_R ? (int)(t1 - t) : MAX_R;
