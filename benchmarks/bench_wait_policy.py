@@ -26,13 +26,15 @@ from pathlib import Path
 CHILD = """
 import json, os, statistics, sys, time
 sys.path.insert(0, {bench!r})
+sys.path.insert(0, {tree!r})
 import tidal, torch
+assert tidal.__file__.startswith({tree!r}), tidal.__file__
 from count_decode_ops import decode_engine
 from vs_llamacpp import CONFIG, checkpoint
 from tidal import LLM
 torch.set_num_threads({threads})
 llm = LLM(str(checkpoint(CONFIG)), dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 28)
-engine = decode_engine(llm, 32000, 1)
+engine = decode_engine(llm, 32000, {batch})
 for _ in range(4):
     engine.step()
 print("ready", flush=True)
@@ -45,12 +47,16 @@ for _ in range({steps}):
 print(json.dumps(statistics.median(times)), flush=True)
 """
 BUSY = "while True: pass"
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def run(config: str, busy: int, steps: int) -> float:
+def run(config: str, busy: int, steps: int, tree: Path = ROOT, batch: int = 1) -> float:
+    """Median seconds per decode step of ``batch`` sequences, in a fresh process importing tidal from
+    ``tree``, at config THREADS:SPINS, beside ``busy`` busy-looping processes."""
     threads, spins = (int(v) for v in config.split(":"))
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT=str(spins))
-    code = CHILD.format(bench=str(Path(__file__).resolve().parent), steps=steps, threads=threads)
+    code = CHILD.format(bench=str(Path(__file__).resolve().parent), tree=str(Path(tree).resolve()), steps=steps,
+                        threads=threads, batch=batch)
     child = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
     hogs = []
