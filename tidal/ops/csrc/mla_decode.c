@@ -84,6 +84,36 @@ void mla_paged_decode(const void *layer_base, int64_t page_stride, int64_t page_
     }
 }
 
+/* acc[0 .. r) += q * w[off .. off + r) (float32 or bfloat16 weights): element-wise, vectorised */
+static inline void add_scaled_row(float *restrict acc, float q, const void *w, int64_t off, int64_t r, int w_bf16) {
+    if (w_bf16) {
+        const uint16_t *restrict p = (const uint16_t *)w + off;
+        for (int64_t j = 0; j < r; j++) acc[j] += q * bf16_to_float(p[j]);
+    } else {
+        const float *restrict p = (const float *)w + off;
+        for (int64_t j = 0; j < r; j++) acc[j] += q * p[j];
+    }
+}
+
+/* a . w[off .. off + r): 8 partial sums (j mod 8) in order, then a fixed pairwise reduction and the
+ * r % 8 tail: one order at every batch and thread count, and vectorisable without reassociation */
+static inline float dot_row(const float *restrict a, const void *w, int64_t off, int64_t r, int w_bf16) {
+    float part[8] = {0};
+    const int64_t r8 = r / 8 * 8;
+    if (w_bf16) {
+        const uint16_t *restrict p = (const uint16_t *)w + off;
+        for (int64_t j = 0; j < r8; j += 8)
+            for (int l = 0; l < 8; l++) part[l] += a[j + l] * bf16_to_float(p[j + l]);
+    } else {
+        const float *restrict p = (const float *)w + off;
+        for (int64_t j = 0; j < r8; j += 8)
+            for (int l = 0; l < 8; l++) part[l] += a[j + l] * p[j + l];
+    }
+    float s = ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
+    for (int64_t j = r8; j < r; j++) s += a[j] * load_value(w, off + j, w_bf16);
+    return s;
+}
+
 /* The whole absorbed decode of tidal.ops.mla.mla_paged_decode for one query per sequence, with
  * kv_b_proj's weight w [n * (dn + dv), r] (float32 or bfloat16: w_bf16) read in place, no float32
  * copy of it: query[h] = [q_nope[h] @ W_UK[h] | q_pe[h]] (W_UK[h] = rows h (dn + dv) .. + dn), the
@@ -110,10 +140,8 @@ int mla_absorbed_decode(const void *layer_base, int64_t page_stride, int64_t pag
             float *qh = query + h * C;
             const int64_t wk = h * (dn + dv) * r;  /* W_UK[h]: dn rows of r */
             for (int64_t j = 0; j < r; j++) qh[j] = 0.0f;
-            for (int64_t d = 0; d < dn; d++) {
-                const float q = load_value(q_nope, b * qn[0] + h * qn[1] + d, q_bf16);
-                for (int64_t j = 0; j < r; j++) qh[j] += q * load_value(w, wk + d * r + j, w_bf16);
-            }
+            for (int64_t d = 0; d < dn; d++)
+                add_scaled_row(qh, load_value(q_nope, b * qn[0] + h * qn[1] + d, q_bf16), w, wk + d * r, r, w_bf16);
             for (int64_t j = r; j < C; j++) qh[j] = load_value(q_pe, b * qp[0] + h * qp[1] + (j - r), q_bf16);
         }
         attend(layer_base, page_stride, page_size, table + b * max_pages, lengths[b], query, o_lat, n, C, r, scale,
@@ -122,8 +150,7 @@ int mla_absorbed_decode(const void *layer_base, int64_t page_stride, int64_t pag
             const float *oh = o_lat + h * r;
             const int64_t wv = (h * (dn + dv) + dn) * r;  /* W_UV[h]: dv rows of r */
             for (int64_t v = 0; v < dv; v++) {
-                float s = 0.0f;
-                for (int64_t j = 0; j < r; j++) s += oh[j] * load_value(w, wv + v * r + j, w_bf16);
+                const float s = dot_row(oh, w, wv + v * r, r, w_bf16);
                 const int64_t i = (b * n + h) * dv + v;
                 if (out_bf16)
                     ((uint16_t *)out)[i] = float_to_bf16(s);
