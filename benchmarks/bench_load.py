@@ -7,10 +7,15 @@ Writes a random Kimi Linear-layout checkpoint of about --size-gb (bf16, sharded)
 ``cat shards > /dev/null`` and each load on the same files, each after dropping the page cache when
 the machine allows it (else all warm: the state is printed, with ``fincore``'s count of the
 checkpoint's cached bytes before each timing), and prints GB/s and the ratio to cat. --tp-size 1 is
-``load_model`` in this process; N > 1 is N rank processes each reading only its slices
-(``tidal.parallel.loader``), timed from a barrier before to a barrier after (process start-up
-excluded); GB/s counts the bytes all ranks read. The cat runs before every load, so each ratio
-compares two reads under the same cache state.
+``load_model`` in a fresh process (as a server loads: its memory is new to it; imports excluded);
+N > 1 is N rank processes each reading only its slices (``tidal.parallel.loader``), timed from a
+barrier before to a barrier after (process start-up excluded); GB/s counts the bytes all ranks read.
+The cat runs before every load, so each ratio compares two reads under the same cache state. Every
+round is printed (the machine's speed drifts between rounds).
+
+The other bound of a load is memory, not the disk: ``cat`` reuses one small buffer, a loader
+writes every byte into memory its process has never touched. "fresh memory" is the rate at which
+a fresh process writes that many bytes into new memory (torch.empty + fill_, 2 threads).
 """
 
 from __future__ import annotations
@@ -18,14 +23,18 @@ from __future__ import annotations
 import argparse
 import logging
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's tidal, not an installed one
+
 import torch
 
 from tidal.config import ModelConfig
-from tidal.model.checkpoint import load_model, save_model
+from tidal.model.checkpoint import save_model
 from tidal.model.kimi import KimiForCausalLM
 from tidal.presets import tiny_kimi_linear_dict
 
@@ -61,6 +70,26 @@ def cached_bytes(files: list[Path]) -> int | None:
         return None
 
 
+LOAD = """
+import sys, time, torch
+sys.path.insert(0, {root!r})
+from tidal.model.checkpoint import load_model
+t = time.perf_counter(); load_model({ckpt!r}, torch.bfloat16); print(time.perf_counter() - t)
+"""
+
+FRESH_MEMORY = """
+import time, torch
+torch.set_num_threads(2)
+t = time.perf_counter(); torch.empty({n}, dtype=torch.uint8).fill_(1); print(time.perf_counter() - t)
+"""
+
+
+def in_fresh_process(code: str) -> float:
+    """Seconds a timed snippet prints, run in a new Python process."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    return float(out.stdout.split()[-1])
+
+
 def _rank_load(place, comm, path: str) -> tuple[int, float]:
     """One rank: its shard's bytes and seconds, between two barriers."""
     import torch.distributed as dist
@@ -87,8 +116,9 @@ def main() -> None:
     ap.add_argument("--size-gb", type=float, default=1.0)
     ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp dir)")
     ap.add_argument("--tp-size", type=int, nargs="*", default=[1, 2],
-                    help="1: load_model in this process; N > 1: N rank processes (sharded)")
+                    help="1: load_model in a fresh process; N > 1: N rank processes (sharded)")
     ap.add_argument("--ep-size", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     config = big_config(args.size_gb)
@@ -104,8 +134,10 @@ def main() -> None:
         files = sorted(out.glob("*.safetensors"))
         size = sum(f.stat().st_size for f in files)
         print(f"checkpoint: {len(files)} shards, {size / 1e9:.2f} GB")
+        t_mem = in_fresh_process(FRESH_MEMORY.format(n=size))
+        print(f"fresh memory: {size / t_mem / 1e9:.2f} GB/s ({t_mem:.2f} s for the checkpoint's bytes)")
         for tp in args.tp_size:
-            for _ in range(2):  # the second round is reported (the first warms allocators)
+            for _ in range(args.rounds):
                 cold = drop_caches()
                 before_cat = cached_bytes(files)
                 t0 = time.perf_counter()
@@ -114,19 +146,16 @@ def main() -> None:
                 drop_caches()
                 before_load = cached_bytes(files)
                 if tp == 1:
-                    t0 = time.perf_counter()
-                    loaded = load_model(out, dtype=torch.bfloat16)
-                    t_load, read = time.perf_counter() - t0, size
-                    del loaded
+                    t_load, read = in_fresh_process(LOAD.format(root=str(ROOT), ckpt=str(out))), size
                 else:
                     read, t_load = load_on_ranks(out, tp, args.ep_size)
-            state = "cold page cache" if cold else "warm page cache (could not drop caches)"
-            cached = ("" if before_cat is None else
-                      f", cached before cat {before_cat / size:.0%}, before load {before_load / size:.0%}")
-            what = "load_model" if tp == 1 else f"{tp} ranks (ep {args.ep_size}), {read / 1e9:.2f} GB read"
-            print(f"[{state}{cached}] cat: {size / t_cat / 1e9:.2f} GB/s ({t_cat:.2f} s)   "
-                  f"{what}: {read / t_load / 1e9:.2f} GB/s ({t_load:.2f} s)   "
-                  f"ratio (GB/s) load/cat = {read / t_load / (size / t_cat):.2f}")
+                state = "cold page cache" if cold else "warm page cache (could not drop caches)"
+                cached = ("" if before_cat is None else
+                          f", cached before cat {before_cat / size:.0%}, before load {before_load / size:.0%}")
+                what = "load_model" if tp == 1 else f"{tp} ranks (ep {args.ep_size}), {read / 1e9:.2f} GB read"
+                print(f"[{state}{cached}] cat: {size / t_cat / 1e9:.2f} GB/s ({t_cat:.2f} s)   "
+                      f"{what}: {read / t_load / 1e9:.2f} GB/s ({t_load:.2f} s)   "
+                      f"ratio (GB/s) load/cat = {read / t_load / (size / t_cat):.2f}")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,35 @@ def test_sharded_load_reads_only_its_slices(ckpts, layout) -> None:
     assert max(read) < whole
 
 
+@pytest.mark.parametrize("kind", ["k3", "kl"])
+def test_sharded_load_into_place_and_converted_agree_with_a_padded_vocabulary(tmp_path, kind) -> None:
+    """A vocabulary TP 4 does not divide (250 = 3 x 63 + 61) and a float32 checkpoint: every rank's
+    tensors equal the full model's slices both where the slices are read straight into the rank's
+    tensors (float32 model: the last rank's two padding rows zeroed) and where they are converted
+    (bfloat16 model, through a buffer)."""
+    from tidal.config import ModelConfig
+    from tidal.model.init import init_weights
+    from tidal.model.kimi import KimiForCausalLM
+    from tidal.model.checkpoint import save_model
+
+    d = pr.tiny_config(kind).to_dict()
+    d.get("text_config", d)["vocab_size"] = 250
+    config = ModelConfig.from_dict(d)
+    assert config.vocab_size == 250
+    save_model(init_weights(KimiForCausalLM(config), seed=1), tmp_path, dtype=torch.float32, max_shard_bytes=1 << 20)
+    packed = kind == "k3"
+    for dtype in (torch.float32, torch.bfloat16):
+        full = load_model(tmp_path, dtype, quantization="mxfp4" if packed else None)
+        for rank in range(4):
+            place = RankPlace(rank, 4, 2, 1)
+            got = load_rank_model(tmp_path, place, _solo(place), dtype).state_dict()
+            want = copy_shards(full, build_rank_model(full.config, place, _solo(place), packed=packed), place)
+            for name, w in want.state_dict().items():
+                assert w.dtype == got[name].dtype and torch.equal(w, got[name]), (dtype, rank, name)
+        tail = load_rank_model(tmp_path, RankPlace(3, 4, 2, 1), _solo(RankPlace(3, 4, 2, 1)), dtype)
+        assert torch.equal(tail.model.embed_tokens.weight[61:], torch.zeros(2, config.hidden_size, dtype=dtype))
+
+
 def _close(ref: dict, got: dict, where: str) -> None:
     assert got["tokens"] == ref["tokens"], where
     worst = 0.0

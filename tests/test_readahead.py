@@ -6,13 +6,16 @@ from __future__ import annotations
 import functools
 import json
 import struct
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from tidal.model.readahead import read_ahead, read_block
+from tidal.model.readahead import JOBS_PER_THREAD, read_ahead, read_block
 
 
 def test_read_block_equals_slicing(tmp_path) -> None:
@@ -34,6 +37,13 @@ def test_read_block_equals_slicing(tmp_path) -> None:
             for start, stop in ((0, size), (1, size), (0, 1), (size // 2, size - 1), (size - 1, size)):
                 got = read_block(path, offset, tuple(t.shape), t.dtype, dim, start, stop)
                 assert torch.equal(got, t.narrow(dim, start, stop - start)), (name, dim, start, stop)
+                into = torch.full_like(t.narrow(dim, start, stop - start), 7).contiguous()
+                assert read_block(path, offset, tuple(t.shape), t.dtype, dim, start, stop, out=into) is into
+                assert torch.equal(into, t.narrow(dim, start, stop - start)), ("into", name, dim, start, stop)
+    with pytest.raises(ValueError, match="does not take"):
+        read_block(path, 8 + n, (6, 5, 4), torch.float32, out=torch.empty(6, 5, 3))
+    with pytest.raises(ValueError, match="does not take"):
+        read_block(path, 8 + n, (6, 5, 4), torch.float32, out=torch.empty(6, 5, 4, dtype=torch.float64))
     with pytest.raises(EOFError):
         read_block(path, len(raw) - 4, (4,), torch.float32)
 
@@ -62,3 +72,34 @@ def test_read_ahead_keeps_order_and_budget_and_raises() -> None:
 
     with pytest.raises(OSError, match="disk gone"):
         list(read_ahead([(0, 1, lambda: torch.zeros(1)), (1, 1, bad)]))
+
+
+def test_read_ahead_takes_jobs_only_as_it_starts_them() -> None:
+    """Jobs that read into their destination (nbytes 0) are started at most JOBS_PER_THREAD per
+    thread ahead of the caller, and pulled from the generator only then (so a loader allocates each
+    destination as late as that)."""
+    made, taken = [0], []
+
+    def jobs():
+        for i in range(40):
+            made[0] += 1
+            yield i, 0, functools.partial(torch.full, (1,), float(i))
+
+    for key, t in read_ahead(jobs(), budget_bytes=0, threads=2):
+        taken.append(key)
+        assert made[0] <= key + 1 + JOBS_PER_THREAD * 2
+        assert t.item() == key
+    assert taken == list(range(40))
+
+
+def test_a_meta_model_does_not_import_torch_dynamo() -> None:
+    """Building the model on the meta device (every load does) never initialises a meta tensor
+    through torch._refs, whose first use imports torch._dynamo (seconds and ~75 MB)."""
+    code = ("import sys, torch\nfrom tidal.model.kimi import KimiForCausalLM\nfrom tidal.config import ModelConfig\n"
+            "from tidal.presets import tiny_k3_dict\n"
+            "with torch.device('meta'):\n    KimiForCausalLM(ModelConfig.from_dict(tiny_k3_dict()))\n"
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "False"

@@ -14,9 +14,11 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import re
 import struct
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from tidal.config import EXPERT_FORMATS, ConfigError, ModelConfig, parse_dtype
 from tidal.model.kimi import FP32_PARAMS, KimiForCausalLM
 from tidal.model.layers import compute_dtype
 from tidal.model.moe import PackedExperts, pack_experts
-from tidal.model.readahead import read_ahead, read_block
+from tidal.model.readahead import read_ahead, read_block, read_budget
 from tidal.ops.mxfp import BLOCK, E8M0_NAN, dequantize_mxfp4, quantize_mxfp4
 
 log = logging.getLogger("tidal.load")
@@ -193,6 +195,7 @@ class _Checkpoint:
     where: dict[str, str]
     on_disk: dict[str, str] = field(default_factory=dict)  # layout name -> the name in the file, where they differ
     headers: dict[str, tuple[int, dict[str, Any]]] = field(default_factory=dict)  # file -> (data start, header)
+    fds: dict[str, int] = field(default_factory=dict)  # file -> descriptor, open for the whole load
 
     def file(self, name: str) -> Path:
         return self.root / self.where[name]
@@ -203,21 +206,24 @@ class _Checkpoint:
     def slice(self, name: str) -> Any:
         return self.handles[self.where[name]].get_slice(self.disk_name(name))
 
-    def read(self, name: str, where: tuple[int, int, int] | None = None) -> torch.Tensor:
-        """Tensor ``name``, or its ``(dim, start, stop)`` slice (clamped to the tensor), in a fresh
-        buffer, read with plain file reads (``tidal.model.readahead.read_block``): copying out of
-        the memory map instead would make its pages resident too, peak RSS twice the weights."""
-        file = self.where[name]
-        if file not in self.headers:
-            self.headers[file] = _data_start(self.root / file)
-        start, header = self.headers[file]
+    def info(self, name: str) -> tuple[int, tuple[int, ...], torch.dtype]:
+        """(file offset of the data, shape, dtype) of tensor ``name`` as the file's header says."""
+        start, header = self.headers[self.where[name]]
         info = header[self.disk_name(name)]
-        shape, dtype = tuple(info["shape"]), _ST_DTYPES[info["dtype"]]
+        return start + info["data_offsets"][0], tuple(info["shape"]), _ST_DTYPES[info["dtype"]]
+
+    def read(self, name: str, where: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor ``name``, or its ``(dim, start, stop)`` slice (clamped to the tensor), read with
+        plain file reads (``tidal.model.readahead.read_block``) into ``out`` (its dtype and element
+        count) or a fresh buffer: copying out of the memory map instead would make its pages
+        resident too, peak RSS twice the weights. Safe to call from several threads at once."""
+        file = self.where[name]
+        offset, shape, dtype = self.info(name)
         dim = lo = hi = None
         if where is not None:
             dim, lo, hi = where[0], min(where[1], shape[where[0]]), min(where[2], shape[where[0]])
         try:
-            return read_block(self.root / file, start + info["data_offsets"][0], shape, dtype, dim, lo or 0, hi or 0)
+            return read_block(self.root / file, offset, shape, dtype, dim, lo or 0, hi or 0, out=out, fd=self.fds[file])
         except EOFError:
             raise CheckpointError(f"tensor '{name}' in {self.root / file} ends past the end of the file") from None
 
@@ -270,6 +276,17 @@ def _open_file(stack: contextlib.ExitStack, path: Path, names: list[str]) -> Any
 
 
 def _open(stack: contextlib.ExitStack, root: Path) -> _Checkpoint:
+    """The checkpoint's files opened (safetensors handles for the checks, a descriptor and the
+    header of each file for the reads), closed by ``stack``."""
+    ckpt = _open_handles(stack, root)
+    for file in ckpt.handles:
+        ckpt.fds[file] = os.open(root / file, os.O_RDONLY)
+        stack.callback(os.close, ckpt.fds[file])
+        ckpt.headers[file] = _data_start(root / file)
+    return ckpt
+
+
+def _open_handles(stack: contextlib.ExitStack, root: Path) -> _Checkpoint:
     single, index = root / SINGLE_FILE, root / INDEX_FILE
     if single.is_file():
         handle = _open_file(stack, single, [])
@@ -451,17 +468,30 @@ def load_model(
         progress = _Progress(root, len(layout))
         filled: dict[str, torch.Tensor] = {}
         pending: dict[tuple[str, int], torch.Tensor] = {}  # MXFP4 half waiting for its other half
-        reads = ((name, spec.nbytes, functools.partial(ckpt.read, name)) for name, (spec, _) in layout.items())
-        for name, tensor in read_ahead(reads):  # the next tensors are read while this one is copied
+        direct: set[str] = set()
+
+        def reads() -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
+            for name, (spec, src) in layout.items():
+                dest = _destination(model, targets, filled, ckpt, name, spec, src, keep_packed, device)
+                if dest is not None:  # read straight into the model: no buffer in flight
+                    direct.add(name)
+                    yield name, 0, functools.partial(ckpt.read, name, None, dest)
+                else:
+                    yield name, spec.nbytes, functools.partial(ckpt.read, name)
+
+        budget = read_budget(sum(spec.nbytes for spec, _ in layout.values()))
+        for name, tensor in read_ahead(reads(), budget):  # later tensors are read while this one converts
             spec, src = layout[name]
             progress.add(tensor)
+            if name in direct:
+                if src.part == "scale":
+                    _check_scales(ckpt, name, tensor)
+                continue
             if keep_packed and src.expert is not None:
                 _load_packed(model, ckpt, name, src, tensor)
                 continue
             target = targets[src.param]
-            out = filled.get(src.param)
-            if out is None:
-                out = filled[src.param] = torch.empty(target.shape, dtype=target.dtype, device=device)
+            out = _filled(filled, src.param, target, device)
             if src.expert is None:
                 if spec.min_length:
                     tensor = tensor[: spec.shape[0]]
@@ -486,6 +516,42 @@ def load_model(
     return model
 
 
+def _filled(filled: dict[str, torch.Tensor], param: str, target: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The loaded tensor of model parameter ``param``, allocated (unfilled) on first use."""
+    out = filled.get(param)
+    if out is None:
+        out = filled[param] = torch.empty(target.shape, dtype=target.dtype, device=device)
+    return out
+
+
+def _destination(model: KimiForCausalLM, targets: dict[str, torch.Tensor], filled: dict[str, torch.Tensor],
+                 ckpt: _Checkpoint, name: str, spec: TensorSpec, src: _Source, keep_packed: bool,
+                 device: torch.device) -> torch.Tensor | None:
+    """Where checkpoint tensor ``name``'s bytes go as they are (a CPU tensor of the same dtype and
+    element count: its parameter, one expert of a stacked or packed parameter), or None when they
+    must be converted first (another dtype, MXFP4 to dense or dense to MXFP4, a vector cut short)."""
+    if device.type != "cpu" or spec.min_length:
+        return None
+    on_disk = ckpt.info(name)[2]
+    if src.expert is not None and keep_packed:
+        if src.part == "weight":
+            return None
+        module_name, _, leaf = src.param.rpartition(".")
+        return model.get_submodule(module_name).target(leaf, src.part)[src.expert]
+    target = targets[src.param]
+    if src.part != "weight" or on_disk != target.dtype:
+        return None
+    out = _filled(filled, src.param, target, device)
+    return out if src.expert is None else out[src.expert]
+
+
+def _check_scales(ckpt: _Checkpoint, name: str, scales: torch.Tensor) -> None:
+    """MXFP4 scales as loaded: byte 255 (E8M0 NaN) is refused, naming tensor, file and index."""
+    if bool((scales == E8M0_NAN).any()):
+        where = tuple(int(i) for i in (scales == E8M0_NAN).nonzero()[0])
+        raise CheckpointError(f"tensor '{name}' in {ckpt.file(name)}: scale byte 255 (E8M0 NaN) at index {where}")
+
+
 def _materialise_packed(model: KimiForCausalLM, device: torch.device) -> None:
     """Give every PackedExperts uninitialised uint8 buffers on ``device`` (the loader fills them)."""
     for module in model.modules():
@@ -503,9 +569,8 @@ def _load_packed(model: KimiForCausalLM, ckpt: _Checkpoint, name: str, src: _Sou
     if src.part == "weight":
         experts.set_expert_weights(leaf, src.expert, tensor.to(torch.float32))
         return
-    if src.part == "scale" and bool((tensor == E8M0_NAN).any()):
-        where = tuple(int(i) for i in (tensor == E8M0_NAN).nonzero()[0])
-        raise CheckpointError(f"tensor '{name}' in {ckpt.file(name)}: scale byte 255 (E8M0 NaN) at index {where}")
+    if src.part == "scale":
+        _check_scales(ckpt, name, tensor)
     experts.target(leaf, src.part)[src.expert].copy_(tensor)
 
 

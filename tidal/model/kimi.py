@@ -9,7 +9,7 @@ from tidal.config import ModelConfig
 from tidal.model.attn_res import apply_attn_res, attn_res_params
 from tidal.model.context import ForwardBatch
 from tidal.model.kda import KimiDeltaAttention
-from tidal.model.layers import RMSNorm, compute_dtype, inference_layout, linear
+from tidal.model.layers import Embedding, RMSNorm, compute_dtype, inference_layout, linear
 from tidal.model.mla import KimiMLA
 from tidal.model.moe import KimiMLP, KimiMoE
 from tidal.model.vision.tower import MoonViT, PatchMergerProjector
@@ -51,7 +51,7 @@ class KimiModel(nn.Module):
         super().__init__()
         self.config = config
         d = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, d)
+        self.embed_tokens = Embedding(config.vocab_size, d)
         self.layers = nn.ModuleList(KimiDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         if config.attn_res_block_size:

@@ -44,6 +44,17 @@ class Linear(nn.Linear):
         return dense.linear(x, self.weight)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding whose initialisation skips meta tensors. A model built on the meta device to be
+    loaded gets no values anyway, and ``normal_`` on a meta tensor runs through torch._refs, whose
+    first use imports torch._dynamo: seconds of start-up (more from a cold disk) and ~75 MB of
+    memory in a process that otherwise never needs it."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 def linear(in_features: int, out_features: int) -> nn.Linear:
     """Bias-free projection (every Kimi projection is bias-free)."""
     return Linear(in_features, out_features, bias=False)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.model.layers import Embedding
 from tidal.ops import dense
 from tidal.parallel.groups import Collectives
 
@@ -26,7 +27,7 @@ def vocab_shard(vocab_size: int, tp_size: int, rank: int) -> tuple[int, int, int
     return first, rows, max(0, min(rows, vocab_size - first))
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(Embedding):
     """This rank's rows of the embedding table; ids outside them contribute zeros, and the sum over
     ranks (one all-reduce) is the full lookup."""
 

@@ -8,19 +8,19 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from tidal.model.checkpoint import (
-    CheckpointError, _check, _install, _layout, _materialise_packed, _open, _one_thread, read_config,
-    resolve_quantization,
+    TensorSpec, _check, _check_scales, _Checkpoint, _filled, _install, _layout, _materialise_packed, _open,
+    _one_thread, _Source, read_config, resolve_quantization,
 )
 from tidal.model.kimi import KimiForCausalLM
 from tidal.model.moe import Experts, PackedExperts
-from tidal.model.readahead import read_ahead
-from tidal.ops.mxfp import E8M0_NAN, dequantize_mxfp4
+from tidal.model.readahead import read_ahead, read_budget
+from tidal.ops.mxfp import dequantize_mxfp4
 from tidal.parallel.groups import Collectives, RankPlace
 from tidal.parallel.shard import build_rank_model, expert_slice, full_shapes, take, tensor_slice
 
@@ -54,11 +54,13 @@ def load_rank_model(
         stack.enter_context(_one_thread())
         ckpt = _open(stack, root)
         _check(ckpt, config, layout)
-        reads, wheres = [], {}
+        wheres: dict[str, tuple[int, int, int] | None] = {}
+        direct: set[str] = set()
+        plan = []  # (name, where, bytes of the slice, read whole)
         for name, (spec, src) in layout.items():
-            leaf = src.param.rpartition(".")[2]
+            module_name, _, leaf = src.param.rpartition(".")
             if src.expert is not None:
-                first, count = model.get_submodule(src.param.rpartition(".")[0]).local_experts or (0, config.num_experts)
+                first, count = model.get_submodule(module_name).local_experts or (0, config.num_experts)
                 if not first <= src.expert < first + count:
                     continue  # another rank's expert: never read
                 where = expert_slice(leaf, spec.shape[1 if leaf == "w2" else 0], place)
@@ -67,14 +69,31 @@ def load_rank_model(
             wheres[name] = where
             whole = leaf == "A_log" or spec.min_length  # a few floats, stored in another shape: read whole
             part = spec.nbytes if whole or where is None else spec.nbytes * (where[2] - where[1]) // spec.shape[where[0]]
-            reads.append((name, part, functools.partial(ckpt.read, name, None if whole else where)))
-        for name, tensor in read_ahead(reads):  # the next slices are read while this one is copied
+            plan.append((name, where, part, whole))
+
+        def reads() -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
+            for name, where, part, whole in plan:
+                spec, src = layout[name]
+                dest = None if whole else _destination(model, targets, filled, ckpt, name, spec, src, where,
+                                                       keep_packed, device)
+                if dest is not None:  # read straight into the rank's tensor: no buffer in flight
+                    direct.add(name)
+                    yield name, 0, functools.partial(ckpt.read, name, where, dest)
+                else:
+                    yield name, part, functools.partial(ckpt.read, name, None if whole else where)
+
+        budget = read_budget(sum(part for _, _, part, _ in plan))
+        for name, tensor in read_ahead(reads(), budget):  # later slices are read while this one converts
             spec, src = layout[name]
             module_name, _, leaf = src.param.rpartition(".")
             where = wheres[name]
             nbytes += tensor.numel() * tensor.element_size()
             if progress is not None:
                 progress(nbytes)
+            if name in direct:
+                if src.part == "scale":
+                    _check_scales(ckpt, name, tensor)
+                continue
             if src.expert is not None:
                 experts = model.get_submodule(module_name)
                 first = (experts.local_experts or (0, 0))[0]
@@ -88,14 +107,41 @@ def load_rank_model(
                               else tensor.reshape(full_shape), where)
             elif where is not None:  # zero-pad a vocabulary shard that runs past the end
                 tensor = take(tensor, (where[0], 0, where[2] - where[1]))
-            out = filled.setdefault(src.param, torch.empty(target.shape, dtype=target.dtype, device=device))
-            out.copy_(tensor.reshape(target.shape))
+            _filled(filled, src.param, target, device).copy_(tensor.reshape(target.shape))
     _install(model, filled)
     model.loaded_bytes = nbytes  # type: ignore[assignment]
     seconds = max(time.perf_counter() - start, 1e-9)
     log.debug("rank %d loaded its shard of %s: %.3f GB in %.3f s, %.3f GB/s", place.rank, root, nbytes / 1e9,
              seconds, nbytes / 1e9 / seconds)
     return model
+
+
+def _destination(model: KimiForCausalLM, targets: dict[str, torch.Tensor], filled: dict[str, torch.Tensor],
+                 ckpt: _Checkpoint, name: str, spec: TensorSpec, src: _Source, where: tuple[int, int, int] | None,
+                 keep_packed: bool, device: torch.device) -> torch.Tensor | None:
+    """Where this rank's slice of checkpoint tensor ``name`` goes as it is read (same dtype, a
+    contiguous CPU tensor: its parameter, one local expert, the real rows of a vocabulary shard
+    whose padding rows are zeroed here), or None when it must be converted first."""
+    if device.type != "cpu":
+        return None
+    module_name, _, leaf = src.param.rpartition(".")
+    on_disk = ckpt.info(name)[2]
+    if src.expert is not None:
+        experts = model.get_submodule(module_name)
+        e = src.expert - (experts.local_experts or (0, 0))[0]
+        if isinstance(experts, PackedExperts):
+            return None if src.part == "weight" else experts.target(leaf, src.part)[e]
+        out = _filled(filled, src.param, targets[src.param], device)
+        return out[e] if src.part == "weight" and on_disk == out.dtype else None
+    target = targets[src.param]
+    if on_disk != target.dtype:
+        return None
+    out = _filled(filled, src.param, target, device)
+    if where is not None and where[2] > spec.shape[where[0]]:  # a vocabulary shard past the end
+        real = max(0, spec.shape[where[0]] - where[1])
+        out.narrow(where[0], real, out.shape[where[0]] - real).zero_()
+        return out.narrow(where[0], 0, real)
+    return out
 
 
 def _put_expert(experts: torch.nn.Module, leaf: str, e: int, part: str, tensor: torch.Tensor,
@@ -106,13 +152,12 @@ def _put_expert(experts: torch.nn.Module, leaf: str, e: int, part: str, tensor: 
         if part == "weight":
             experts.set_expert_weights(leaf, e, tensor.to(torch.float32))
             return
-        if part == "scale" and bool((tensor == E8M0_NAN).any()):
-            raise CheckpointError(f"tensor '{name}' in {ckpt.file(name)}: scale byte 255 (E8M0 NaN)")  # type: ignore[attr-defined]
+        if part == "scale":
+            _check_scales(ckpt, name, tensor)  # type: ignore[arg-type]
         experts.target(leaf, part)[e].copy_(tensor)
         return
     assert isinstance(experts, Experts)
-    target = targets[param]
-    out = filled.setdefault(param, torch.empty(target.shape, dtype=target.dtype, device=device))
+    out = _filled(filled, param, targets[param], device)
     if part == "weight":
         out[e].copy_(tensor)
         return
