@@ -345,3 +345,42 @@ def test_dense_mlp_under_transformers_name_loads_and_both_spellings_are_rejected
     rewrite(path, duplicate)
     with pytest.raises(CheckpointError, match="again as"):
         load_model(tmp_path)
+
+
+def _mapped_from(files) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of ``files`` (/proc/self/maps)."""
+    names = {str(f) for f in files}
+    ranges = []
+    for line in open("/proc/self/maps"):
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].strip() in names:
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            ranges.append((lo, hi))
+    return ranges
+
+
+def test_weights_whose_bytes_are_on_disk_are_views_of_the_mapped_file(tmp_path):
+    """With use_mmap (the default) every weight whose checkpoint bytes are its bytes (bf16 on disk
+    and in memory, not a stacked expert) lies in a mapping of its shard; the model equals a copying
+    load; a write to a weight stays in this process (private mapping: the file keeps its bytes)."""
+    model = random_model(presets.tiny_kimi_linear(), torch.bfloat16)
+    save_model(model, tmp_path, max_shard_bytes=256 << 10)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert len(files) > 2
+    mapped = load_model(tmp_path, torch.bfloat16)
+    copied = load_model(tmp_path, torch.bfloat16, use_mmap=False)
+    assert_same_state(mapped.state_dict(), copied.state_dict())
+    ranges = _mapped_from(files)
+
+    def in_file(t: torch.Tensor) -> bool:
+        return any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+
+    state = mapped.state_dict()
+    views = {k for k, t in state.items() if in_file(t)}
+    for k, t in state.items():
+        assert (k in views) == (not EXPERT.search(k)), k  # float32 norms and gates are float32 on disk too
+    assert not any(in_file(t) for t in copied.state_dict().values())
+    with torch.no_grad():
+        mapped.model.embed_tokens.weight.add_(1)
+    again = load_model(tmp_path, torch.bfloat16, use_mmap=False)
+    assert torch.equal(again.model.embed_tokens.weight, copied.model.embed_tokens.weight)

@@ -32,6 +32,7 @@ from tidal.config import EXPERT_FORMATS, ConfigError, ModelConfig, parse_dtype
 from tidal.model.kimi import FP32_PARAMS, KimiForCausalLM
 from tidal.model.layers import compute_dtype
 from tidal.model.moe import PackedExperts, pack_experts
+from tidal.model.mapped import MappedFiles
 from tidal.model.readahead import read_ahead, read_block, read_budget
 from tidal.ops.mxfp import BLOCK, E8M0_NAN, dequantize_mxfp4, quantize_mxfp4
 
@@ -196,6 +197,7 @@ class _Checkpoint:
     on_disk: dict[str, str] = field(default_factory=dict)  # layout name -> the name in the file, where they differ
     headers: dict[str, tuple[int, dict[str, Any]]] = field(default_factory=dict)  # file -> (data start, header)
     fds: dict[str, int] = field(default_factory=dict)  # file -> descriptor, open for the whole load
+    mapped: MappedFiles = field(default_factory=MappedFiles)
 
     def file(self, name: str) -> Path:
         return self.root / self.where[name]
@@ -211,6 +213,24 @@ class _Checkpoint:
         start, header = self.headers[self.where[name]]
         info = header[self.disk_name(name)]
         return start + info["data_offsets"][0], tuple(info["shape"]), _ST_DTYPES[info["dtype"]]
+
+    def view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+             rows: tuple[int, int] | None = None) -> torch.Tensor | None:
+        """Tensor ``name`` (or its rows ``[start, stop)``) as a tensor of ``shape`` and ``dtype``
+        that is a view of the file's mapping (``tidal.model.mapped``), or None where its bytes are
+        not that tensor's bytes (another dtype, rows past the end, misaligned)."""
+        offset, disk_shape, disk_dtype = self.info(name)
+        if disk_dtype != dtype:
+            return None
+        nbytes = dtype.itemsize
+        for s in disk_shape:
+            nbytes *= s
+        if rows is not None:
+            if not disk_shape or rows[1] > disk_shape[0]:
+                return None
+            row = nbytes // disk_shape[0]
+            offset, nbytes = offset + rows[0] * row, (rows[1] - rows[0]) * row
+        return self.mapped.view(self.root / self.where[name], offset, nbytes, shape, dtype)
 
     def read(self, name: str, where: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Tensor ``name``, or its ``(dim, start, stop)`` slice (clamped to the tensor), read with
@@ -439,7 +459,7 @@ def resolve_quantization(config: ModelConfig, quantization: str | None) -> str |
 
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-    quantization: str | None = None,
+    quantization: str | None = None, use_mmap: bool = True,
 ) -> KimiForCausalLM:
     """Read config.json and the safetensors weights into a model in ``dtype`` (FP32_PARAMS stay at
     float32 or wider, as ``KimiForCausalLM.to_dtype``), on ``device``. The model is built on the meta
@@ -448,7 +468,11 @@ def load_model(
     ``quantization`` None: routed experts dense in ``dtype`` (MXFP4 ones dequantised exactly).
     "mxfp4": routed experts kept packed (:class:`~tidal.model.moe.PackedExperts`): an MXFP4
     checkpoint's codes and scales are copied as they are, a dense checkpoint's experts are quantised
-    from their float32 values (the rounding of ``tidal quantize``); no dense copy is ever made."""
+    from their float32 values (the rounding of ``tidal quantize``); no dense copy is ever made.
+
+    ``use_mmap`` (CPU): a weight whose bytes on disk are its bytes in memory is a view of the file's
+    mapping, read into the page cache during the load (``tidal.model.mapped``); the others, and
+    every weight with ``use_mmap=False``, are read into memory of their own."""
     root = Path(model_dir)
     config = read_config(root)
     layout = _layout(config)
@@ -469,9 +493,14 @@ def load_model(
         filled: dict[str, torch.Tensor] = {}
         pending: dict[tuple[str, int], torch.Tensor] = {}  # MXFP4 half waiting for its other half
         direct: set[str] = set()
+        views = _map_weights(ckpt, layout, targets, filled) if use_mmap and device.type == "cpu" else {}
 
         def reads() -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
             for name, (spec, src) in layout.items():
+                if name in views:  # mapped: the load reads its pages into the page cache
+                    direct.add(name)
+                    yield name, 0, functools.partial(ckpt.mapped.populate, views[name])
+                    continue
                 dest = _destination(model, targets, filled, ckpt, name, spec, src, keep_packed, device)
                 if dest is not None:  # read straight into the model: no buffer in flight
                     direct.add(name)
@@ -514,6 +543,21 @@ def load_model(
     _install(model, filled)
     progress.done()
     return model
+
+
+def _map_weights(ckpt: _Checkpoint, layout: dict[str, tuple[TensorSpec, _Source]], targets: dict[str, torch.Tensor],
+                 filled: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Make every parameter whose checkpoint bytes are its bytes a view of the file's mapping, in
+    ``filled``; returns checkpoint name -> view. Routed experts are not: the model stacks them and
+    safetensors writes tensors sorted by name, so one weight's experts are never consecutive."""
+    views: dict[str, torch.Tensor] = {}
+    for name, (spec, src) in layout.items():
+        if src.expert is None and not spec.min_length:
+            target = targets[src.param]
+            view = ckpt.view(name, tuple(target.shape), target.dtype)
+            if view is not None:
+                views[name] = filled[src.param] = view
+    return views
 
 
 def _filled(filled: dict[str, torch.Tensor], param: str, target: torch.Tensor, device: torch.device) -> torch.Tensor:

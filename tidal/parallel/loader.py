@@ -30,12 +30,13 @@ log = logging.getLogger("tidal.load")
 def load_rank_model(
     model_dir: str | Path, place: RankPlace, comm: Collectives, dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu", quantization: str | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None, use_mmap: bool = True,
 ) -> KimiForCausalLM:
     """This rank's model (``tidal.parallel.shard.build_rank_model``) filled from ``model_dir``.
     ``quantization`` as ``load_model``'s ("mxfp4": experts packed; None: the checkpoint's format).
     Only this rank's slices are read, on a thread ahead of the copies (``tidal.model.readahead``);
-    ``progress(bytes read so far)`` after each tensor (the launcher shows one display for all ranks)."""
+    ``progress(bytes read so far)`` after each tensor (the launcher shows one display for all ranks).
+    ``use_mmap``: as ``load_model``'s (whole tensors and row ranges are views of the mapped file)."""
     root = Path(model_dir)
     config = read_config(root)
     layout = _layout(config)
@@ -74,6 +75,15 @@ def load_rank_model(
         def reads() -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
             for name, where, part, whole in plan:
                 spec, src = layout[name]
+                view = None
+                if use_mmap and device.type == "cpu" and src.expert is None and not whole and (where is None or where[0] == 0):
+                    target = targets[src.param]
+                    view = ckpt.view(name, tuple(target.shape), target.dtype, None if where is None else where[1:])
+                if view is not None:  # mapped: the load reads its pages into the page cache
+                    direct.add(name)
+                    filled[src.param] = view
+                    yield name, 0, functools.partial(ckpt.mapped.populate, view)
+                    continue
                 dest = None if whole else _destination(model, targets, filled, ckpt, name, spec, src, where,
                                                        keep_packed, device)
                 if dest is not None:  # read straight into the rank's tensor: no buffer in flight
