@@ -85,8 +85,9 @@ def _rank(place, comm, ckpt: str, batch: int, steps: int, dtype: str) -> dict:
     _count(comm, stack, counts)
     engine = EngineCore(model, EngineConfig(kv_cache_memory_bytes=64 << 20))
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    ids = min(1000, model.config.vocab_size - 10)
     for i in range(batch):
-        engine.add_request(f"r{i}", [(7 * i + 3 * t) % 1000 + 10 for t in range(20 + i)], params)
+        engine.add_request(f"r{i}", [(7 * i + 3 * t) % ids + 10 for t in range(20 + i)], params)
     started: set[str] = set()
     while len(started) < batch:  # prefills (one token out each)
         started.update(o.request_id for o in engine.step())

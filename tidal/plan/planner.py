@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tidal.config import ModelConfig
@@ -29,6 +29,7 @@ from tidal.plan.sglang import (
     recommend_ratio,
     sglang_split,
 )
+from tidal.plan.comm import decode_bytes_by_layer_type, decode_collectives
 from tidal.plan.weights import WeightShare, _dtype_bytes, weight_breakdown
 
 # ---- the plan ------------------------------------------------------------------------------------
@@ -62,6 +63,9 @@ class Plan:
     sglang_inputs: dict[str, Any] | None = None
     running_cap: int | None = None  # --max-running-requests: tidal's and SGLang's cap on the running set
     device: str | None = None  # the device a measured pool lives on (None: tidal plan's GPU arithmetic)
+    # layer type -> (payload, ring wire) bytes one rank hands to collectives per decode step, per
+    # sequence in the step (tidal.plan.comm; a step of B sequences is B times this); empty at TP 1
+    decode_comm: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     @property
     def kv_tokens_per_rank(self) -> int:
@@ -243,4 +247,6 @@ def _assemble(
         recommendation=rec,
         sglang_inputs=sglang_inputs,
         running_cap=max_running_requests,
+        decode_comm=decode_bytes_by_layer_type(decode_collectives(
+            config, tp_size=par.tp_size, dcp_size=par.dcp_size, batch_size=1, dtype_bytes=conv_b)),  # model dtype
     )

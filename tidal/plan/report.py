@@ -67,6 +67,9 @@ def plan_to_json(p: Plan) -> dict[str, Any]:
         },
         "sglang": _split_json(p.sglang),
         "recommendation": None,
+        "decode_comm_bytes_per_sequence": {
+            kind: {"payload_bytes": payload, "wire_bytes": wire} for kind, (payload, wire) in p.decode_comm.items()
+        },
     }
     if p.recommendation:
         r = p.recommendation
@@ -158,6 +161,9 @@ def plan_table(p: Plan, width: int = 100) -> str:
         t.add_row("--max-running-requests caps the running set at", f"{p.running_cap:,}")
     console.print(t)
 
+    if p.decode_comm:
+        console.print(_comm_table(p))
+
     if p.sglang:
         console.print(_split_table(p.sglang, f"SGLang split, R = {p.sglang.ratio:g}", p.workload))
     r = p.recommendation
@@ -173,6 +179,21 @@ def plan_table(p: Plan, width: int = 100) -> str:
         if r.sglang is not None and (p.sglang is None or r.sglang.ratio != p.sglang.ratio):
             console.print(_split_table(r.sglang, f"SGLang split at recommended R = {r.ratio:g}", wl))
     return console.file.getvalue()
+
+
+def _comm_table(p: Plan):
+    """Bytes one rank hands to collectives per decode step, by layer type (tidal.plan.comm)."""
+    from rich.table import Table
+
+    t = Table(title="collectives per decode step and sequence, per rank",
+              caption="a decode step of B sequences hands B x these bytes to its collectives")
+    for col in ("layer type", "payload", "ring wire"):
+        t.add_column(col, justify="left" if col == "layer type" else "right")
+    for kind, (payload, wire) in p.decode_comm.items():
+        t.add_row(kind, f"{payload:,} B", f"{wire:,.0f} B")
+    t.add_row("total", f"{sum(v[0] for v in p.decode_comm.values()):,} B",
+              f"{sum(v[1] for v in p.decode_comm.values()):,.0f} B")
+    return t
 
 
 def _split_table(s: SGLangSplit, title: str, workload: Workload | None):
