@@ -5,13 +5,19 @@ Workloads (greedy, ``ignore_eos``):
 - ``repeat``: prompts that repeat their own context (a Python source file of the standard library
   quoted back: the prompt is the file's first lines, then those lines again up to a point), the
   case prompt lookup (NGRAM) is for;
-- ``chat``: short chat-like prompts with no repeated context.
+- ``chat``: short chat-like prompts with no repeated context;
+- ``code``: code completion on stdlib modules the embedded model (and its DSPARK drafter) never
+  trained on (``tidal.train.data.HELDOUT_MODULES``): a window of a module's lines, continued.
+
+Drafters (``--algorithms``): NGRAM, and DSPARK with the drafter shipped beside the embedded model
+(``tidal/assets/embedded-dspark``, ``--dspark-path`` for another).
 
 Decode tok/s counts the tokens emitted by steps without prefill work and divides by those steps'
 wall time (prefill is the same with and without speculation). Each (concurrency, setting) runs
 ``--repeats`` times and the best is kept (the machine is shared and noisy).
 
     python benchmarks/bench_spec.py [--concurrency 1 8 32] [--k 4] [--tokens 64] [--threads 1]
+        [--algorithms NGRAM DSPARK] [--workloads repeat chat code]
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import inspect
 import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -44,6 +51,27 @@ def repeat_prompts(tok, n: int, lines: int = 14) -> list[str]:
         body = [line for line in text[start : start + lines]]
         out.append("\n".join(body) + "\n\n" + "\n".join(body[:3]) + "\n")
     return out
+
+
+def code_prompts(n: int, lines: int = 24) -> list[str]:
+    """Windows of held-out stdlib modules (never in the embedded model's or drafter's training)."""
+    from tidal.train.data import HELDOUT_MODULES, stdlib_dir
+
+    out = []
+    for i in range(n):
+        name = HELDOUT_MODULES[i % len(HELDOUT_MODULES)]
+        text = (stdlib_dir() / f"{name}.py").read_text().splitlines()
+        start = 30 + 17 * (i // len(HELDOUT_MODULES))
+        out.append("\n".join(text[start : start + lines]) + "\n")
+    return out
+
+
+def prompts_for(work: str, tok, n: int) -> list[str]:
+    if work == "repeat":
+        return repeat_prompts(tok, n)
+    if work == "code":
+        return code_prompts(n)
+    return [CHAT[i % len(CHAT)] for i in range(n)]
 
 
 def run(llm: LLM, prompts: list[str], tokens: int) -> tuple[float, int, float | None]:
@@ -80,29 +108,42 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--workloads", nargs="+", default=["repeat", "chat"])
+    ap.add_argument("--workloads", nargs="+", default=["repeat", "chat", "code"])
     ap.add_argument("--replay", action="store_true", help="--enable-linear-replayssm-spec")
+    ap.add_argument("--algorithms", nargs="+", default=["NGRAM", "DSPARK"], type=str.upper)
+    ap.add_argument("--dspark-path", default=None, help="DSPARK drafter (default: the shipped one)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    dspark = args.dspark_path or str(Path(__file__).resolve().parents[1] / "tidal" / "assets" / "embedded-dspark")
     plain = LLM(enable_prefix_caching=False)
-    spec = LLM(enable_prefix_caching=False, speculative_algorithm="NGRAM", speculative_num_draft_tokens=args.k,
-               enable_linear_replayssm_spec=args.replay)
-    print(f"embedded model, float32, {args.threads} thread(s), NGRAM k={args.k}, "
-          f"rollback {spec.engine.spec.config.rollback}, speculation backs off above "
-          f"{spec.engine.spec.config.max_spec_batch} sequences")
-    print(f"{'workload':9} {'conc':>4} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} {'accept len':>10}")
+    specs = {}
+    for algo in args.algorithms:
+        extra = {"speculative_draft_model_path": dspark, "speculative_dspark_block_size": args.k} \
+            if algo == "DSPARK" else {"speculative_num_draft_tokens": args.k}
+        specs[algo] = LLM(enable_prefix_caching=False, speculative_algorithm=algo,
+                          enable_linear_replayssm_spec=args.replay, **extra)
+    cfg = next(iter(specs.values())).engine.spec.config
+    print(f"embedded model, float32, {args.threads} thread(s), k={args.k}, rollback {cfg.rollback}, speculation "
+          f"backs off above {cfg.max_spec_batch} sequences; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'workload':9} {'drafter':8} {'conc':>4} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} "
+          f"{'accept len':>10} {'load':>5}")
     for work in args.workloads:
         for conc in args.concurrency:
-            prompts = repeat_prompts(plain.tokenizer, conc) if work == "repeat" else \
-                [CHAT[i % len(CHAT)] for i in range(conc)]
+            prompts = prompts_for(work, plain.tokenizer, conc)
             run(plain, prompts[:1], 4)  # warm-up
-            run(spec, prompts[:1], 4)
-            best_plain = max(run(plain, prompts, args.tokens)[0] for _ in range(args.repeats))
-            spec_runs = [run(spec, prompts, args.tokens) for _ in range(args.repeats)]
-            best_spec = max(r[0] for r in spec_runs)
-            accept = spec_runs[-1][2]
-            print(f"{work:9} {conc:>4} {best_plain:>12.1f} {best_spec:>11.1f} {best_spec / best_plain:>6.2f} "
-                  f"{'-' if accept is None else f'{accept:.2f}':>10}", flush=True)
+            for algo, spec in specs.items():
+                run(spec, prompts[:1], 4)
+                # plain and speculative runs alternate, so both see the same machine load
+                plain_runs, spec_runs = [], []
+                for _ in range(args.repeats):
+                    plain_runs.append(run(plain, prompts, args.tokens)[0])
+                    spec_runs.append(run(spec, prompts, args.tokens))
+                best_plain, best_spec = max(plain_runs), max(r[0] for r in spec_runs)
+                accepts = [r[2] for r in spec_runs if r[2] is not None]
+                accept = sum(accepts) / len(accepts) if accepts else None
+                print(f"{work:9} {algo:8} {conc:>4} {best_plain:>12.1f} {best_spec:>11.1f} "
+                      f"{best_spec / best_plain:>6.2f} {'-' if accept is None else f'{accept:.2f}':>10} "
+                      f"{os.getloadavg()[0]:>5.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -246,8 +246,8 @@ def test_ngram_drafter_finds_latest_match_and_repeats_period():
 def test_config_errors_name_the_problem():
     with pytest.raises(ValueError, match="one of NGRAM"):
         SpeculativeConfig("EAGLE")
-    with pytest.raises(ValueError, match="not implemented"):
-        SpeculativeConfig("DSPARK", draft_model_path="x")
+    with pytest.raises(ValueError, match="needs speculative_draft_model_path"):
+        SpeculativeConfig("DSPARK")
     with pytest.raises(ValueError, match="needs speculative_draft_model_path"):
         SpeculativeConfig("STANDALONE")
     with pytest.raises(ValueError, match="num_draft_tokens"):

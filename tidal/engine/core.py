@@ -182,7 +182,8 @@ class EngineCore:
         self.plan_recorder: list[StepPlan] | None = None  # set to a list to keep every plan (tests, replay)
         self.spec: SpecDecoder | None = None
         if config.speculative is not None:
-            self.spec = SpecDecoder(config.speculative, self.pool, self.model_config, self.dtype, self.device)
+            self.spec = SpecDecoder(config.speculative, self.pool, self.model_config, self.dtype, self.device,
+                                    target=model if worker is None else None)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None)
@@ -474,10 +475,12 @@ class EngineCore:
         for req in batch.new_requests:  # as sent: a healed prompt's left-out token is counted
             self._metrics.prompt_tokens += len(req.sent_prompt_token_ids)
         self.num_plans += 1
-        plan, rows = plan_step(self.num_plans, batch, self.pool)
+        taps = (self.spec.tap_layers, self.spec.tap_window) if self.spec is not None else ((), 0)
+        plan, rows = plan_step(self.num_plans, batch, self.pool, *taps)
         if self.plan_recorder is not None:
             self.plan_recorder.append(plan)
         logits = rows.split(self.worker.execute(plan))
+        chain_taps = self._observe_taps(batch, rows) if plan.tap_layers else None
         self._metrics.num_steps += 1
         for b, (positions, lg) in logits.prompt.items():
             self._record_prompt_logprobs(batch.requests[b], positions, lg)
@@ -488,7 +491,7 @@ class EngineCore:
                 if b not in batch.drafts and self.scheduler.snapshot_due(r, c, n)]
         outputs = self._sample(batch, logits) if logits.sample_logits is not None else []
         if logits.chains:
-            outputs += self._commit_chains(batch, logits)
+            outputs += self._commit_chains(batch, logits, chain_taps)
         for req in snap:
             if not req.finished:  # a finished one handed its state to the cache already
                 self.scheduler.snapshot(req)
@@ -545,7 +548,23 @@ class EngineCore:
                 self.spec.forget(req.request_id)
             self._metrics.num_requests_finished += 1
 
-    def _commit_chains(self, batch: ScheduledBatch, logits: StepLogits) -> list[RequestOutput]:
+    def _observe_taps(self, batch: ScheduledBatch, rows) -> dict[str, torch.Tensor]:
+        """Hand the drafter the tapped hidden states of this step's computed tokens; a chain's
+        (request id -> all its positions' rows) are returned for its commit, which keeps only the
+        committed positions'."""
+        assert self.spec is not None
+        taps = self.worker.last_taps
+        chains: dict[str, torch.Tensor] = {}
+        for b, first, count, start in rows.taps:
+            rid = batch.requests[b].request_id
+            if b in batch.drafts:
+                chains[rid] = taps[start : start + count]
+            else:
+                self.spec.observe(rid, first, taps[start : start + count])
+        return chains
+
+    def _commit_chains(self, batch: ScheduledBatch, logits: StepLogits,
+                       taps: dict[str, torch.Tensor] | None = None) -> list[RequestOutput]:
         """Append each verified chain's committed tokens, roll its state and pages back to them
         (before a finished request hands them to the prefix cache), then emit."""
         assert self.spec is not None
@@ -561,7 +580,7 @@ class EngineCore:
                 if req.finished:
                     break
             chains.append((req, batch.cached_lens[b], len(draft.tokens), accepted, appended))
-        self.spec.commit(chains)
+        self.spec.commit(chains, taps)
         outputs = []
         for req, *_ in chains:
             self._finish_if_done(req, now)

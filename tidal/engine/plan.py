@@ -59,6 +59,10 @@ class StepPlan:
     verify_method: str = ""
     chains: list[int] = field(default_factory=list)
     chain_slots: list[list[int]] = field(default_factory=list)
+    # DSPARK (tidal.spec.dspark): the target layers whose hidden states come back for the rows
+    # ``tap_rows`` of the run (each sequence's last new tokens), concatenated per row.
+    tap_layers: list[int] = field(default_factory=list)
+    tap_rows: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -87,6 +91,8 @@ class LogitMap:
     first_sample: int
     chains: list[tuple[int, int, int]] = field(default_factory=list)  # (batch position, first row, length)
     first_chain: int = -1
+    # (batch position, position of its first tapped token, tapped tokens, first row of the taps)
+    taps: list[tuple[int, int, int, int]] = field(default_factory=list)
 
     def split(self, logits: torch.Tensor | None) -> StepLogits:
         out = StepLogits(sample_seqs=list(self.sample_seqs))
@@ -102,10 +108,13 @@ class LogitMap:
         return out
 
 
-def plan_step(step: int, batch: ScheduledBatch, pool: PoolAllocator) -> tuple[StepPlan, LogitMap]:
+def plan_step(step: int, batch: ScheduledBatch, pool: PoolAllocator, tap_layers: tuple[int, ...] = (),
+              tap_window: int = 0) -> tuple[StepPlan, LogitMap]:
     """The plan of a scheduled batch whose requests hold their blocks and pages (the scheduler
     reserved them, and ``batch.chain_memory`` the chains' extra memory); takes the allocator's
-    pending copies. A chain's tokens are its last committed token and its drafts."""
+    pending copies. A chain's tokens are its last committed token and its drafts. With
+    ``tap_layers``, the last ``tap_window`` new tokens of every sequence (a chain's whole chain)
+    have those layers' hidden states returned."""
     order = sorted(range(len(batch.requests)),
                    key=lambda b: (batch.query_lens[b] > 1, pool.state_block(batch.requests[b].request_id)))
     plan = StepPlan(step=step, copies=pool.take_copies(), token_ids=[], query_lens=[], cached_lens=[],
@@ -149,6 +158,13 @@ def plan_step(step: int, batch: ScheduledBatch, pool: PoolAllocator) -> tuple[St
         for i in plan.chains:
             logit_map.chains.append((order[i], len(plan.logit_rows), plan.query_lens[i]))
             plan.logit_rows.extend(range(cu[i], cu[i + 1]))
+    if tap_layers:
+        plan.tap_layers = list(tap_layers)
+        for i, b in enumerate(order):
+            n, c = plan.query_lens[i], plan.cached_lens[i]
+            t = n if b in batch.drafts else min(n, tap_window)
+            logit_map.taps.append((b, c + n - t, t, len(plan.tap_rows)))
+            plan.tap_rows.extend(range(cu[i + 1] - t, cu[i + 1]))
     return plan, logit_map
 
 
@@ -167,11 +183,11 @@ def encode_plan(plan: StepPlan) -> bytes:
         raise ValueError("a step plan with images runs only on an in-process worker (pixels do not travel)")
     return msgpack.packb([plan.step, [_copy_to_wire(c) for c in plan.copies], plan.token_ids, plan.query_lens,
                           plan.cached_lens, plan.state_slots, plan.page_tables, plan.logit_rows,
-                          plan.verify_method, plan.chains, plan.chain_slots])
+                          plan.verify_method, plan.chains, plan.chain_slots, plan.tap_layers, plan.tap_rows])
 
 
 def decode_plan(data: bytes) -> StepPlan:
-    step, copies, ids, q, c, slots, tables, rows, method, chains, chain_slots = msgpack.unpackb(data)
+    step, copies, ids, q, c, slots, tables, rows, method, chains, chain_slots, taps, tap_rows = msgpack.unpackb(data)
     return StepPlan(step=step, copies=[_COPY_TYPES[w[0]](*w[1:]) for w in copies], token_ids=ids, query_lens=q,
                     cached_lens=c, state_slots=slots, page_tables=tables, logit_rows=rows,
-                    verify_method=method, chains=chains, chain_slots=chain_slots)
+                    verify_method=method, chains=chains, chain_slots=chain_slots, tap_layers=taps, tap_rows=tap_rows)

@@ -31,6 +31,7 @@ class ModelRunner:
         self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCache(0)
         self.device = next(model.parameters()).device
         model.process_weights_after_loading()
+        self.last_taps: torch.Tensor | None = None  # the last plan's tapped hidden states (tap_rows)
         self.graphs: DecodeGraphs | None = None
         if cuda_graph and self.device.type == "cuda" and cuda_graph_max_bs > 0:
             context = max_context or model.config.max_position_embeddings
@@ -46,14 +47,19 @@ class ModelRunner:
     def run_step(self, plan: StepPlan) -> torch.Tensor | None:
         """The logits [len(plan.logit_rows), V] of the plan's tokens (None when it asks for none);
         the pool copies must already be applied."""
-        if self.graphs is not None and len(plan.query_lens) <= self.graphs.max_bs and plan.is_decode:
+        self.last_taps = None
+        if (self.graphs is not None and len(plan.query_lens) <= self.graphs.max_bs and plan.is_decode
+                and not plan.tap_layers):
             hidden = self.graphs.run(plan.page_tables, plan.state_slots, plan.token_ids, plan.cached_lens)
         else:
             cache = PoolCacheView(self.storage, plan.state_slots, plan.page_tables, plan.query_lens, plan.cached_lens)
             fb = ForwardBatch(query_lens=plan.query_lens, cached_lens=plan.cached_lens, cache=cache,
-                              verify=self._verify_layout(plan))
+                              verify=self._verify_layout(plan), tap_layers=tuple(plan.tap_layers))
             images = self._image_embeds(plan.images, fb)
             hidden = self.model(torch.tensor(plan.token_ids, dtype=torch.long, device=self.device), fb, images)
+            if plan.tap_layers:
+                rows = torch.tensor(plan.tap_rows, dtype=torch.long, device=self.device)
+                self.last_taps = torch.cat([fb.taps[t][rows] for t in plan.tap_layers], dim=-1)
         if not plan.logit_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(plan.logit_rows, device=self.device)])

@@ -45,3 +45,8 @@ class Worker:
         if not plan.query_lens:
             return None
         return self.runner.execute(plan)
+
+    @property
+    def last_taps(self) -> torch.Tensor | None:
+        """The last plan's tapped hidden states [len(plan.tap_rows), n_taps * d] (DSPARK)."""
+        return self.runner.last_taps

@@ -74,6 +74,10 @@ class ForwardBatch:
     # Speculative verify (tidal.spec.verify.VerifyLayout): sequences whose tokens are a drafted
     # chain, run position by position with the decode kernels; neither decodes nor prefills.
     verify: Any = None
+    # Target layers whose output hidden state the forward keeps in ``taps`` (layer -> [T, d]):
+    # what a DSPARK drafter is conditioned on (tidal.spec.dspark), taken from the step itself.
+    tap_layers: tuple[int, ...] = ()
+    taps: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _cu: list[int] = field(default_factory=list, repr=False)
     _rows: dict[str, object] = field(default_factory=dict, repr=False)
 

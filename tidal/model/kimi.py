@@ -61,7 +61,9 @@ class KimiModel(nn.Module):
                 image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids [T] (the batch's new tokens, concatenated) -> final-normed hidden [T, d].
         ``image_embeds`` = (positions [k] in the run, embeddings [k, d]): the image features that
-        replace those placeholder tokens' embeddings."""
+        replace those placeholder tokens' embeddings. For each layer i in ``batch.tap_layers`` the
+        hidden state after layer i (the next layer's input; after the last, the output before the
+        final norm) is kept in ``batch.taps[i]``."""
         h = self.embed_tokens(input_ids)
         if image_embeds is not None:
             positions, embeds = image_embeds
@@ -69,9 +71,11 @@ class KimiModel(nn.Module):
         if self.config.attn_res_block_size:
             h = self._forward_attn_res(h, batch)
         else:
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 h = h + layer.attention(h, batch)
                 h = h + layer.feed_forward(h)
+                if i in batch.tap_layers:
+                    batch.taps[i] = h
         return self.norm(h)
 
     def _forward_attn_res(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -84,6 +88,8 @@ class KimiModel(nn.Module):
         for i, layer in enumerate(self.layers):
             assert partial is not None
             a = apply_attn_res(layer, "self_attention_res", partial, blocks, eps, block_cache)
+            if i - 1 in batch.tap_layers:
+                batch.taps[i - 1] = a
             if i % size == 0:
                 blocks.append(partial)
                 partial = None
@@ -92,7 +98,10 @@ class KimiModel(nn.Module):
             m = apply_attn_res(layer, "mlp_res", partial, blocks, eps, block_cache)
             partial = partial + layer.feed_forward(m)
         assert partial is not None
-        return apply_attn_res(self, "output_attn_res", partial, blocks, eps, block_cache)
+        out = apply_attn_res(self, "output_attn_res", partial, blocks, eps, block_cache)
+        if len(self.layers) - 1 in batch.tap_layers:
+            batch.taps[len(self.layers) - 1] = out
+        return out
 
 
 class KimiForCausalLM(nn.Module):

@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fetch http(s) image URLs (off: only data: URLs and base64 images are taken)")
     p.add_argument("--image-fetch-timeout", type=float, default=5.0, help="seconds an image URL fetch may take")
     p.add_argument("--speculative-algorithm", default=None, type=str.upper, choices=["NGRAM", "STANDALONE", "DSPARK"],
-                   help="speculative decoding (NGRAM: prompt lookup; STANDALONE and DSPARK are not implemented yet)")
+                   help="speculative decoding (NGRAM: prompt lookup; STANDALONE: a small draft model of the "
+                        "same tokenizer; DSPARK: a block drafter on the target's hidden states)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
                    help="tokens drafted per request and step (the verified chain is one longer; default 4)")
     p.add_argument("--speculative-draft-model-path", default=None, help="the draft model (STANDALONE, DSPARK)")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 ALGORITHMS = ("NGRAM", "STANDALONE", "DSPARK")
 # Algorithms this build can run (the others are named so that asking for them gets a clear error).
-IMPLEMENTED = ("NGRAM", "STANDALONE")
+IMPLEMENTED = ("NGRAM", "STANDALONE", "DSPARK")
 # Up to this many sequences in a step a verified chain costs little more than a decode step; above
 # it the step is compute-bound and speculation backs off (benchmarks/bench_spec.py on the CPU:
 # chains at 8 sequences were slower than plain decoding).

@@ -33,7 +33,9 @@ RATE_WEIGHT = 0.5  # weight of the newest chain in a request's running acceptanc
 PROBE_STEP = 0.02  # rate added per step a request backs off (about 10 steps from 0 to 0.25)
 
 
-def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype, device: torch.device) -> Drafter:
+def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype, device: torch.device,
+                 target: torch.nn.Module | None = None) -> Drafter:
+    """``target``: the target model in this process (DSPARK shares its embedding and LM head)."""
     if config.algorithm == "NGRAM":
         return NgramDrafter(config.ngram_max_match, config.ngram_min_match)
     if config.algorithm == "STANDALONE":
@@ -41,16 +43,29 @@ def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
 
         assert config.draft_model_path is not None
         return StandaloneDrafter.from_path(config.draft_model_path, vocab_size, dtype, device)
+    if config.algorithm == "DSPARK":
+        from tidal.spec.dspark import DsparkDrafter
+
+        assert config.draft_model_path is not None
+        if target is None or next(target.parameters()).device.type == "meta":
+            raise ValueError("speculative_algorithm DSPARK needs the target model in the engine's process "
+                             "(tp_size, ep_size and dcp_size 1)")
+        return DsparkDrafter.from_path(config.draft_model_path, target, config.num_draft_tokens)
     raise ValueError(f"speculative_algorithm {config.algorithm} is not implemented")
 
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, pool: PoolAllocator, model_config: ModelConfig,
-                 dtype: torch.dtype, device: torch.device, drafter: Drafter | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, drafter: Drafter | None = None,
+                 target: torch.nn.Module | None = None) -> None:
         self.config = config
         self.pool = pool
         self.vocab_size = model_config.vocab_size
-        self.drafter = drafter if drafter is not None else make_drafter(config, self.vocab_size, dtype, device)
+        self.drafter = drafter if drafter is not None else make_drafter(config, self.vocab_size, dtype, device, target)
+        # A drafter conditioned on the target's hidden states (DSPARK) names the layers it reads and
+        # how many trailing positions of each sequence's step it needs; the step plan asks for them.
+        self.tap_layers: tuple[int, ...] = tuple(getattr(self.drafter, "tap_layers", ()))
+        self.tap_window: int = int(getattr(self.drafter, "tap_window", 0)) if self.tap_layers else 0
         self.memory = ChainMemory(pool, model_config, config.rollback)
         self.metrics = SpecMetrics(config.num_draft_tokens)
         # request id -> running acceptance of its chains (1.0 until it has one); below
@@ -99,10 +114,20 @@ class SpecDecoder:
                           p.min_tokens)
         return accept_chain(logits, draft.tokens, draft.probs, rows)
 
-    def commit(self, chains: list[tuple[Request, int, int, int, int]]) -> None:
+    def observe(self, request_id: str, start: int, taps: torch.Tensor) -> None:
+        """Hand the drafter the target's tapped hidden states of committed positions start .. ."""
+        self.drafter.observe(request_id, start, taps)  # type: ignore[attr-defined]
+
+    def commit(self, chains: list[tuple[Request, int, int, int, int]],
+               taps: dict[str, torch.Tensor] | None = None) -> None:
         """``chains``: (request, tokens it had computed before the step, drafts, drafts accepted,
         tokens it appended). Each request keeps the state after its last computed position and
-        the pages of its tokens; the metrics count the chain."""
+        the pages of its tokens; the metrics count the chain. ``taps`` (request id -> tapped hidden
+        states of every chain position): the drafter sees only the committed positions' rows."""
+        if taps:
+            for req, cached, _, _, appended in chains:
+                if req.request_id in taps:
+                    self.observe(req.request_id, cached, taps[req.request_id][:appended])
         self.memory.commit({req.request_id: appended - 1 for req, _, _, _, appended in chains})
         for req, cached, drafted, accepted, appended in chains:
             req.num_computed_tokens = cached + appended

@@ -8,7 +8,8 @@ fine-tune from a checkpoint directory (its tokenizer, its weights with MXFP4 exp
 into the float32 master weights; QAT continues). Conversation rows carry loss only on the
 assistant's tokens. --export writes the fp32 checkpoint (dense experts) with its tokenizer; then
 ``tidal quantize`` makes the MXFP4 one. The README ("The embedded model") gives the recipe of the
-shipped model.
+shipped model. ``tidal train --drafter dspark --target DIR`` trains a DSPARK drafter for a target
+instead (tidal.spec.dspark_train).
 """
 
 from __future__ import annotations
@@ -156,6 +157,11 @@ def export(trainer: Trainer, run_dir: Path, dst: str | Path, blend_with: str | N
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tidal.spec.dspark_train import dispatch
+
+    drafter = dispatch(sys.argv[1:] if argv is None else argv)  # `tidal train --drafter dspark ...`
+    if drafter is not None:
+        return drafter
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)

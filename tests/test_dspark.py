@@ -1,0 +1,257 @@
+"""The DSPARK drafter (tidal.spec.dspark) on a tiny random K3 target (float32): a drafter trained
+here for seconds on the target's greedy continuations (tidal.spec.dspark_train) drafts blocks that
+are partly accepted; greedy output with it equals plain decoding for many requests in one batch
+(finishes inside a block, stop tokens, preemption, prefix hits) under both rollback methods; the
+hidden states the drafter is handed are the target's at exactly the committed positions; a drafter
+reading its slots shifted by one is rejected at once; bad drafter files fail with errors naming
+the problem; the shipped drafter belongs to the shipped embedded model."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tidal import SamplingParams
+from tidal.model.init import init_weights
+from tidal.model.kimi import KimiForCausalLM
+from tidal.presets import tiny_k3
+from tidal.spec.config import SpeculativeConfig
+from tidal.spec.drafter import Draft
+from tidal.spec.dspark import CONFIG_FILE, DsparkConfig, DsparkDrafter, DsparkModel, load_drafter, save_drafter
+from tidal.spec.dspark_train import anchors_of, block_batch, cache_from_sequences, tap_forward, train_drafter
+
+from test_engine import drive, one_thread, random_prompts  # noqa: F401 - one_thread: autouse
+from test_spec import METHODS, make_engine, outputs, spec_config, truth_of
+
+BLOCK = 4
+TAPS = [1, 3, 5]
+
+
+@pytest.fixture(scope="module")
+def model() -> KimiForCausalLM:
+    return init_weights(KimiForCausalLM(tiny_k3()), seed=0).eval()
+
+
+def drafter_config(model, **kw) -> DsparkConfig:
+    c = model.config
+    base = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, target_num_layers=c.num_hidden_layers,
+                tap_layers=TAPS, block_size=BLOCK, num_layers=1, num_heads=2, head_dim=32, intermediate_size=128,
+                markov_rank=16, window=16)
+    return DsparkConfig(**{**base, **kw})
+
+
+def greedy_jobs(prompts, max_tokens, seed=0):
+    rng = random.Random(seed)
+    return [(i // 4, str(i), p, SamplingParams(temperature=0, max_tokens=rng.randint(*max_tokens), ignore_eos=True))
+            for i, p in enumerate(prompts)]
+
+
+# The tiny random target's continuations follow no pattern a drafter can learn in seconds: the
+# drafter is trained on (and the tests run) these prompts, so that its blocks are partly right.
+PROMPTS = random_prompts(21, 12, 10)
+
+
+@pytest.fixture(scope="module")
+def trained(model, tmp_path_factory) -> Path:
+    """A drafter trained for a few seconds on the tiny target's own greedy continuations."""
+    torch.manual_seed(0)
+    prompts = PROMPTS
+    jobs = [(0, str(i), p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)) for i, p in enumerate(prompts)]
+    seqs = list(truth_of(jobs, drive(make_engine(model), jobs)).values())
+    cache = cache_from_sequences(model, seqs, [len(p) for p in prompts], ["test"] * len(seqs), TAPS)
+    drafter = DsparkModel(drafter_config(model)).init_weights(0)
+    train_drafter(drafter, model, cache, anchors_of(cache, BLOCK), steps=100, batch_size=32, lr=4e-3, gamma=2.0,
+                  seed=0, log=lambda _: None)
+    return save_drafter(drafter, tmp_path_factory.mktemp("dspark"))
+
+
+def dspark(path, replay=False, block=BLOCK) -> SpeculativeConfig:
+    return spec_config("DSPARK", draft_model_path=str(path), dspark_block_size=block,
+                       enable_linear_replayssm_spec=replay)
+
+
+@pytest.mark.parametrize("replay, budget", [(False, 2048), (True, 7)])
+def test_greedy_equal_with_the_trained_drafter(model, trained, replay, budget):
+    """Many requests in one batch, arriving over steps (prefills beside blocks), some ending inside
+    a block (max_tokens, a stop token); chunked prefills too: outputs equal plain decoding, and
+    the drafter's blocks are partly accepted (every rollback length occurs)."""
+    prompts = PROMPTS
+    base = drive(make_engine(model), greedy_jobs(prompts, (3, 24)))
+    stops = {str(i): base[str(i)].outputs[0].token_ids[len(base[str(i)].outputs[0].token_ids) // 2]
+             for i in range(0, len(prompts), 3)}
+    jobs = [(a, rid, p, SamplingParams(temperature=0, max_tokens=sp.max_tokens, ignore_eos=True,
+                                       stop_token_ids=[stops[rid]] if rid in stops else None))
+            for a, rid, p, sp in greedy_jobs(prompts, (3, 24))]
+    want = drive(make_engine(model), jobs)
+    assert any(o.outputs[0].finish_reason == "stop" for o in want.values())
+    engine = make_engine(model, budget=budget, spec=dspark(trained, replay))
+    assert outputs(drive(engine, jobs)) == outputs(want)
+    m = engine.spec.metrics
+    assert m.num_chains > 5 and 0 < m.num_accepted_tokens < m.num_drafted_tokens
+    assert m.avg_accept_length > 1.3, m.avg_accept_length
+    assert sum(1 for c in m.accept_length_counts if c) >= 2  # partial accepts: rollbacks
+
+
+@pytest.mark.parametrize("replay, blocks", [(False, 6), (True, 6), (False, 64)])
+def test_preemption_and_prefix_hits_with_dspark(model, trained, replay, blocks):
+    """A pool of a few requests (preemption, recompute: the drafter sees the recomputed positions
+    again), or second turns hitting the prefix cache the first ones left (the drafter has no taps
+    of the cached positions): same outputs as without speculation."""
+    prompts = PROMPTS[:6]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    first = [(0, str(i), p, params) for i, p in enumerate(prompts)]
+    turns = truth_of(first, drive(make_engine(model), first))
+    jobs = first + [(30, f"next{i}", turns[str(i)] + [5, 6], params) for i in range(len(prompts))]
+    run = first if blocks < 64 else jobs
+    want = drive(make_engine(model, blocks=blocks), run)
+    engine = make_engine(model, blocks=blocks, spec=dspark(trained, replay))
+    assert outputs(drive(engine, run)) == outputs(want)
+    m = engine.metrics()
+    assert engine.spec.metrics.num_accepted_tokens > 0
+    assert (m.num_preemptions > 0) if blocks < 64 else (m.prefix_cache_hits > 0)
+
+
+class Recording(DsparkDrafter):
+    """The real drafter, keeping every (request, position, tapped row) it is handed."""
+
+    def __init__(self, inner: DsparkDrafter) -> None:
+        self.__dict__.update(inner.__dict__)
+        self.seen: dict[tuple[str, int], torch.Tensor] = {}
+
+    def observe(self, request_id, start, taps):
+        for i in range(taps.shape[0]):
+            self.seen[(request_id, start + i)] = taps[i].clone()
+        super().observe(request_id, start, taps)
+
+
+def test_drafter_sees_the_targets_taps_at_committed_positions(model, trained):
+    """Every position the drafter is handed is a committed position of its request, each committed
+    position before the last is handed (a fresh cache, no prefix hits, whole prompts: the tap
+    window covers them), and the rows are the target's hidden states there (a plain prefill over
+    the final sequence, to float32 rounding: other kernels). Catches a chain handing over a
+    rejected position or an off-by-one row."""
+    prompts = PROMPTS[:4]
+    jobs = [(0, str(i), p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)) for i, p in enumerate(prompts)]
+    engine = make_engine(model, spec=dspark(trained), enable_prefix_caching=False)
+    rec = Recording(engine.spec.drafter)
+    engine.spec.drafter = rec
+    truth = truth_of(jobs, drive(engine, jobs))
+    assert engine.spec.metrics.num_accepted_tokens > 0
+    for rid, seq in truth.items():
+        ref = tap_forward(model, [seq], TAPS)[0]
+        got = sorted(pos for r, pos in rec.seen if r == rid)
+        assert got == list(range(len(seq) - 1)), rid  # the last token is never run
+        for pos in got:
+            assert torch.allclose(rec.seen[(rid, pos)], ref[pos], atol=1e-3, rtol=1e-3), (rid, pos)
+
+
+class Shifted:
+    """The trained drafter's proposals read one slot late (draft j from slot j+1): the DSpark
+    off-by-one pitfall."""
+
+    def __init__(self, inner: DsparkDrafter) -> None:
+        self.inner = inner
+        self.tap_layers, self.tap_window = inner.tap_layers, inner.tap_window
+
+    def observe(self, *a):
+        self.inner.observe(*a)
+
+    def propose(self, rid, token_ids, k):
+        d = self.inner.propose(rid, token_ids, k + 1)
+        return Draft(d.tokens[1:]) if d is not None and len(d.tokens) > 1 else None
+
+    def forget(self, rid):
+        self.inner.forget(rid)
+
+
+def test_slots_read_one_late_are_rejected(model, trained):
+    prompts = PROMPTS[4:]
+    jobs = [(0, str(i), p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)) for i, p in enumerate(prompts)]
+    want = drive(make_engine(model), jobs)
+    right = make_engine(model, spec=dspark(trained, block=BLOCK - 1))
+    assert outputs(drive(right, jobs)) == outputs(want)
+    shifted = make_engine(model, spec=dspark(trained, block=BLOCK - 1))
+    shifted.spec.drafter = Shifted(shifted.spec.drafter)
+    assert outputs(drive(shifted, jobs)) == outputs(want)
+    good, bad = right.spec.metrics.position_acceptance()[0], shifted.spec.metrics.position_acceptance()[0]
+    assert good > 0.25 and bad < good / 2, (good, bad)
+
+
+def test_smaller_block_drafts_the_same_first_tokens(model, trained):
+    """Causal slots: a block of 2 drafts the first 2 tokens of a block of 4."""
+    d = DsparkDrafter(load_drafter(trained), model)
+    seq = random_prompts(26, 1, 20)[0] * 2
+    d.observe("r", 0, tap_forward(model, [seq], TAPS)[0][:-1])
+    assert d.propose("r", seq, 2).tokens == d.propose("r", seq, 4).tokens[:2]
+
+
+def test_block_batch_labels_are_the_next_tokens(model, trained):
+    seqs = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6]]
+    cache = cache_from_sequences(model, seqs, [3, 2], ["a", "b"], TAPS)
+    anchors = anchors_of(cache, BLOCK)
+    assert cache.tokens[anchors].tolist() == [3, 4, 5, 6, 8, 7]  # last prompt token .. second-to-last
+    b = block_batch(cache, anchors, window=4, block=BLOCK)
+    assert b["labels"][0].tolist() == [4, 5, 6, 7] and b["lab_valid"][0].tolist() == [True] * 4
+    assert b["labels"][4][:2].tolist() == [7, 6] and b["lab_valid"][4].tolist() == [True, True, False, False]
+    assert b["anchor_pos"].tolist() == [2, 3, 4, 5, 1, 2]
+    assert b["ctx_pos"][0].tolist() == [-2, -1, 0, 1]  # the window before anchor position 2
+    assert b["ctx_valid"][0].tolist() == [False, False, True, True]
+    assert torch.equal(b["ctx"][0, 2:], cache.taps[0:2].float())
+    assert b["ctx_valid"][4].tolist() == [False, False, False, True]  # seq 1's anchor 1: only its position 0
+    assert torch.equal(b["ctx"][4, 3], cache.taps[7].float())
+
+
+def test_bad_drafter_paths_and_configs_name_the_problem(model, trained, tmp_path):
+    def engine_error(path, block=BLOCK):
+        with pytest.raises(ValueError) as e:
+            make_engine(model, spec=dspark(path, block=block))
+        return str(e.value)
+
+    assert "not a directory" in engine_error(tmp_path / "missing")
+    assert CONFIG_FILE in engine_error(tmp_path)
+    for key, value, words in (("vocab_size", 1000, "vocab_size 1000"), ("tap_layers", [1, 9], "tap_layers"),
+                              ("hidden_size", 32, "hidden_size 32"), ("target_num_layers", 4, "4 layers"),
+                              ("bogus", 1, "unknown")):
+        bad = tmp_path / key
+        bad.mkdir()
+        cfg = json.loads((trained / CONFIG_FILE).read_text())
+        cfg[key] = value
+        (bad / CONFIG_FILE).write_text(json.dumps(cfg))
+        (bad / "model.safetensors").write_bytes((trained / "model.safetensors").read_bytes())
+        assert words in engine_error(bad), key
+    assert "exceeds the drafter's trained block size" in engine_error(trained, block=BLOCK + 1)
+    shapes = tmp_path / "shapes"
+    save_drafter(DsparkModel(drafter_config(model, intermediate_size=64)), shapes)
+    (shapes / CONFIG_FILE).write_text((trained / CONFIG_FILE).read_text())
+    assert "shape" in engine_error(shapes)
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / CONFIG_FILE).write_text((trained / CONFIG_FILE).read_text())
+    (torn / "model.safetensors").write_bytes(b"not a safetensors file")
+    assert "cannot read" in engine_error(torn)
+    with pytest.raises(ValueError, match="needs speculative_draft_model_path"):
+        SpeculativeConfig("DSPARK")
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "tidal" / "assets" / "embedded-dspark"
+
+
+@pytest.mark.skipif(not SHIPPED.exists(), reason="no drafter shipped")
+def test_shipped_drafter_belongs_to_the_shipped_model():
+    """The drafter beside the embedded model was trained on it (retrain it with the README's
+    command whenever the embedded model changes) and fits the size budget."""
+    from tidal.model.checkpoint import load_model
+    from tidal.spec.dspark import check_target, target_fingerprint
+
+    embedded = SHIPPED.parent / "embedded"
+    size = sum(f.stat().st_size for f in SHIPPED.iterdir())
+    assert size <= 5 * 2**20 and size + sum(f.stat().st_size for f in embedded.iterdir()) <= 30 * 2**20
+    cfg = DsparkConfig.read(SHIPPED)
+    target = load_model(embedded, torch.float32)
+    check_target(cfg, target.config)
+    assert cfg.target_fingerprint == target_fingerprint(target), "retrain: tidal train --drafter dspark"
+    load_drafter(SHIPPED)
