@@ -32,11 +32,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model import active_weight_bytes, copy_bandwidth  # noqa: E402
-from vs_llamacpp import CONFIG, LLAMA, VERSION, build_llamacpp, checkpoint, gguf, prompts, run, timed  # noqa: E402
+from vs_llamacpp import CONFIG, LLAMA, VERSION, build_llamacpp, checkpoint, gguf, prompts, run  # noqa: E402
 
-from tidal import LLM  # noqa: E402
+from tidal import LLM, SamplingParams  # noqa: E402
 
 SERVER_BUILD = LLAMA / "build-server"
+# Random weights pick tokens whose bytes are rarely valid UTF-8, so a served stream holds its text
+# back and delivers it in one chunk at the end (no inter-token latency to measure). Every run here,
+# offline and served, both servers, adds this bias to the byte-level BPE's single printable ASCII
+# characters (ids 0-93), so each token is text the moment it is sampled.
+TEXT_BIAS = {str(i): 100 for i in range(94)}
 
 
 def llama_server_binary() -> tuple[Path, Path]:
@@ -55,10 +60,17 @@ def llama_server_binary() -> tuple[Path, Path]:
 def offline_step_ms(model_dir: Path, vocab: int, input_len: int, output_len: int) -> tuple[float, float]:
     """(decode step ms, batch-1 bound ms from weight bytes / read bandwidth)."""
     llm = LLM(str(model_dir), dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 30)
-    timed(llm, prompts(vocab, 1, 16, seed=0), 4)  # warm-up
+    bias = {int(k): v for k, v in TEXT_BIAS.items()}
+
+    def timed(batch: list[dict], tokens: int) -> float:
+        t0 = time.perf_counter()
+        llm.generate(batch, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logit_bias=bias))
+        return time.perf_counter() - t0
+
+    timed(prompts(vocab, 1, 16, seed=0), 4)  # warm-up
     one = prompts(vocab, 1, input_len, seed=1)
-    t1 = min(timed(llm, one, 1) for _ in range(2))
-    tn = min(timed(llm, one, output_len) for _ in range(2))
+    t1 = min(timed(one, 1) for _ in range(2))
+    tn = min(timed(one, output_len) for _ in range(2))
     bound = active_weight_bytes(llm.engine.model) / (copy_bandwidth() / 2)
     return (tn - t1) / (output_len - 1) * 1e3, bound * 1e3
 
@@ -77,25 +89,26 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
     raise RuntimeError(f"{url} not ready in {timeout} s")
 
 
-def bench(url: str, concurrency: int, args: argparse.Namespace, vocab: int) -> dict:
-    """One ``tidal bench`` row: random token-id prompts, ignore_eos."""
+def bench(url: str, concurrency: int, args: argparse.Namespace, vocab: int, extra: list[str]) -> dict:
+    """One ``tidal bench`` row: random token-id prompts, ignore_eos; ``extra``: more bench flags."""
     prefix = Path(tempfile.mkdtemp(prefix="bench-serve-")) / "row"
     n = max(args.min_prompts, 2 * concurrency)
     subprocess.run([sys.executable, "-m", "tidal.cli", "bench", "--base-url", url, "--endpoint", "completions",
                     "--dataset", "random", "--prompt-format", "ids", "--input-len", str(args.input_len),
                     "--output-len", str(args.output_len), "--num-prompts", str(n), "--max-concurrency",
                     str(concurrency), "--warmup-requests", "1", "--output", str(prefix), "--no-plot",
-                    "--no-progress", "--seed", str(concurrency)], check=True, stdout=subprocess.DEVNULL)
+                    "--no-progress", "--seed", str(concurrency), *extra], check=True, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for line in Path(f"{prefix}.jsonl").read_text().splitlines() if line.strip()]
     return rows[-1]
 
 
-def serve_rows(cmd: list[str], url: str, args: argparse.Namespace, vocab: int, log: Path) -> dict[int, dict]:
+def serve_rows(cmd: list[str], url: str, args: argparse.Namespace, vocab: int, log: Path,
+               extra: list[str] = ()) -> dict[int, dict]:
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
     try:
         wait_ready(url, proc)
-        return {c: bench(url, c, args, vocab) for c in args.concurrency}
+        return {c: bench(url, c, args, vocab, list(extra)) for c in args.concurrency}
     finally:
         proc.terminate()
         try:
@@ -125,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     tidal_url = f"http://127.0.0.1:{args.port}"
     ours = serve_rows([sys.executable, "-m", "tidal.cli", "serve", str(model_dir), "--dtype", "bfloat16",
                        "--port", str(args.port), "--kv-cache-memory-bytes", pool, "--log-level", "warning",
-                       "--no-access-log", "--stats-interval", "0"], tidal_url, args, vocab, logs / "tidal.log")
+                       "--no-access-log", "--stats-interval", "0"], tidal_url, args, vocab, logs / "tidal.log",
+                      ["--extra-body", json.dumps({"logit_bias": TEXT_BIAS})])
     theirs: dict[int, dict] = {}
     if not args.skip_llamacpp:
         src, binary = llama_server_binary()
@@ -133,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         llama_url = f"http://127.0.0.1:{args.port + 1}"
         theirs = serve_rows([str(binary), "-m", str(path), "-t", str(args.threads), "--port", str(args.port + 1),
                              "-c", str(ctx), "-np", str(max(args.concurrency)), "-b", "2048", "-ub", "512"],
-                            llama_url, args, vocab, logs / "llama.log")
+                            llama_url, args, vocab, logs / "llama.log", ["--extra-body", json.dumps({"logit_bias": TEXT_BIAS})])
     itl = ours[1]["mean_itl_ms"] if 1 in ours else None
     print(f"\n## {args.config.name}, bf16, {args.input_len} in / {args.output_len} out, one run "
           f"(torch threads {torch.get_num_threads()}; logs in {logs})")
