@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--system-len", type=int, default=300)
     ap.add_argument("--tool-result-len", type=int, default=100)
     ap.add_argument("--output-len", type=int, default=48)
+    ap.add_argument("--tools", type=int, default=0, help="tools declared (a tool grammar constrains replies: no speculation)")
     args = ap.parse_args()
     from tidal.bench.cli import main as bench
 
@@ -73,7 +74,7 @@ def main() -> None:
                 bench(["--base-url", url, "--dataset", "multiturn", "--max-concurrency", args.concurrency,
                        "--max-duration", str(args.duration), "--system-len", str(args.system_len),
                        "--tool-result-len", str(args.tool_result_len), "--output-len", str(args.output_len),
-                       "--turns", "3,6", "--tools", "2", "--task-len", "40", "--output", str(out), "--no-progress",
+                       "--turns", "3,6", "--tools", str(args.tools), "--task-len", "40", "--output", str(out), "--no-progress",
                        "--no-plot"])
                 rows[name] = [json.loads(line) for line in open(f"{out}.jsonl")]
             finally:
