@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.model.layers import rms_norm
 from tidal.spec.drafter import Draft
 
 logger = logging.getLogger(__name__)
@@ -110,10 +111,6 @@ def check_target(cfg: DsparkConfig, target_config, where: str = "the DSPARK draf
                          f"{cfg.block_size}, window {cfg.window}")
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
 def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (rotate-half) of x [..., T, H, D] at integer positions pos [..., T]."""
     d = x.shape[-1]
@@ -148,16 +145,16 @@ class DraftLayer(nn.Module):
         block), mask [B, 1, K, W + K] True where a slot may attend."""
         cfg = self.cfg
         B, K, _ = x.shape
-        hn = _rms(x, self.input_norm, cfg.rms_norm_eps)
+        hn = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
         kv_in = torch.cat([ctx, hn], dim=1)
         q = self.q_proj(hn).view(B, K, cfg.num_heads, cfg.head_dim)
         k = self.k_proj(kv_in).view(B, kv_in.shape[1], cfg.num_heads, cfg.head_dim)
         v = self.v_proj(kv_in).view(B, kv_in.shape[1], cfg.num_heads, cfg.head_dim)
-        q = rope(_rms(q, self.q_norm, cfg.rms_norm_eps), pos[:, -K:], cfg.rope_theta)
-        k = rope(_rms(k, self.k_norm, cfg.rms_norm_eps), pos, cfg.rope_theta)
+        q = rope(rms_norm(q, self.q_norm, cfg.rms_norm_eps), pos[:, -K:], cfg.rope_theta)
+        k = rope(rms_norm(k, self.k_norm, cfg.rms_norm_eps), pos, cfg.rope_theta)
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
         x = x + self.o_proj(o.transpose(1, 2).reshape(B, K, -1))
-        gate, up = self.gate_up(_rms(x, self.post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
+        gate, up = self.gate_up(rms_norm(x, self.post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
 
@@ -192,7 +189,7 @@ class DsparkModel(nn.Module):
 
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """Tapped target hidden states [..., n_taps * d] -> context vectors [..., d]."""
-        return _rms(self.fc(taps), self.context_norm, self.cfg.rms_norm_eps)
+        return rms_norm(self.fc(taps), self.context_norm, self.cfg.rms_norm_eps)
 
     def forward(self, ctx: torch.Tensor, ctx_pos: torch.Tensor, ctx_valid: torch.Tensor, anchor: torch.Tensor,
                 anchor_pos: torch.Tensor, block: int) -> torch.Tensor:
@@ -207,7 +204,7 @@ class DsparkModel(nn.Module):
         mask = mask[:, None]
         for layer in self.layers:
             x = layer(x, ctx, pos, mask)
-        return _rms(x, self.norm, self.cfg.rms_norm_eps)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor | float:
         """The Markov head's logit bias [..., V] from the previous tokens prev [...]."""
