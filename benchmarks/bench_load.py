@@ -13,9 +13,14 @@ barrier before to a barrier after (process start-up excluded); GB/s counts the b
 The cat runs before every load, so each ratio compares two reads under the same cache state. Every
 round is printed (the machine's speed drifts between rounds).
 
-The other bound of a load is memory, not the disk: ``cat`` reuses one small buffer, a loader
-writes every byte into memory its process has never touched. "fresh memory" is the rate at which
-a fresh process writes that many bytes into new memory (torch.empty + fill_, 2 threads).
+The other bound of a load is memory, not the disk: ``cat`` reuses one small buffer, a loader that
+copies writes every byte into memory its process has never touched. "fresh memory" is the rate at
+which a fresh process writes that many bytes into new memory (torch.empty + fill_, 2 threads). The
+default load maps the files instead (``--safetensors-load-strategy lazy``): a weight whose bytes on
+disk are its bytes in memory, stacked experts included, is a view of the page cache; ``--strategy
+eager`` times the copying load (``--strategy lazy eager``: both, each round). For one process the line also gives ``process_weights_after_loading``
+(what a server runs next: it fuses each expert's gate and up projections into one tensor, a copy,
+since the file keeps the down projection between them). Each line ends with the load average.
 """
 
 from __future__ import annotations
@@ -74,7 +79,8 @@ LOAD = """
 import sys, time, torch
 sys.path.insert(0, {root!r})
 from tidal.model.checkpoint import load_model
-t = time.perf_counter(); load_model({ckpt!r}, torch.bfloat16); print(time.perf_counter() - t)
+t = time.perf_counter(); m = load_model({ckpt!r}, torch.bfloat16, use_mmap={mmap}); t1 = time.perf_counter()
+m.process_weights_after_loading(); print(time.perf_counter() - t1, t1 - t)
 """
 
 FRESH_MEMORY = """
@@ -90,7 +96,7 @@ def in_fresh_process(code: str) -> float:
     return float(out.stdout.split()[-1])
 
 
-def _rank_load(place, comm, path: str) -> tuple[int, float]:
+def _rank_load(place, comm, path: str, mmap: bool) -> tuple[int, float]:
     """One rank: its shard's bytes and seconds, between two barriers."""
     import torch.distributed as dist
 
@@ -98,17 +104,24 @@ def _rank_load(place, comm, path: str) -> tuple[int, float]:
 
     dist.barrier()
     t0 = time.perf_counter()
-    model = load_rank_model(path, place, comm, torch.bfloat16)
+    model = load_rank_model(path, place, comm, torch.bfloat16, use_mmap=mmap)
     dist.barrier()
     return model.loaded_bytes, time.perf_counter() - t0
 
 
-def load_on_ranks(path: Path, tp: int, ep: int) -> tuple[int, float]:
+def load_on_ranks(path: Path, tp: int, ep: int, mmap: bool) -> tuple[int, float]:
     """(bytes all ranks read, seconds of the slowest) for a sharded load on tp processes."""
     from tidal.parallel.launch import run_ranks
 
-    results = run_ranks(_rank_load, tp_size=tp, ep_size=ep, args=(str(path),), timeout_s=3600)
+    results = run_ranks(_rank_load, tp_size=tp, ep_size=ep, args=(str(path), mmap), timeout_s=3600)
     return sum(b for b, _ in results), max(t for _, t in results)
+
+
+def in_fresh_process_pair(code: str) -> tuple[float, float]:
+    """The two numbers a timed snippet prints, run in a new Python process."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    a, b = out.stdout.split()[-2:]
+    return float(a), float(b)
 
 
 def main() -> None:
@@ -119,6 +132,8 @@ def main() -> None:
                     help="1: load_model in a fresh process; N > 1: N rank processes (sharded)")
     ap.add_argument("--ep-size", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--strategy", nargs="+", default=["lazy"], choices=["lazy", "eager"],
+                    help="--safetensors-load-strategy of the loads, each after its own cat (lazy: mapped; eager: copied)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     config = big_config(args.size_gb)
@@ -138,25 +153,35 @@ def main() -> None:
         print(f"fresh memory: {size / t_mem / 1e9:.2f} GB/s ({t_mem:.2f} s for the checkpoint's bytes)")
         for tp in args.tp_size:
             for _ in range(args.rounds):
-                cold = drop_caches()
-                before_cat = cached_bytes(files)
-                t0 = time.perf_counter()
-                subprocess.run(["sh", "-c", "cat \"$@\" > /dev/null", "cat", *map(str, files)], check=True)
-                t_cat = time.perf_counter() - t0
-                drop_caches()
-                before_load = cached_bytes(files)
-                if tp == 1:
-                    t_load, read = in_fresh_process(LOAD.format(root=str(ROOT), ckpt=str(out))), size
-                else:
-                    read, t_load = load_on_ranks(out, tp, args.ep_size)
-                state = "cold page cache" if cold else "warm page cache (could not drop caches)"
-                cached = ("" if before_cat is None else
-                          f", cached before cat {before_cat / size:.0%}, before load {before_load / size:.0%}")
-                what = "load_model" if tp == 1 else f"{tp} ranks (ep {args.ep_size}), {read / 1e9:.2f} GB read"
-                print(f"[{state}{cached}] cat: {size / t_cat / 1e9:.2f} GB/s ({t_cat:.2f} s)   "
-                      f"{what}: {read / t_load / 1e9:.2f} GB/s ({t_load:.2f} s)   "
-                      f"ratio (GB/s) load/cat = {read / t_load / (size / t_cat):.2f}")
+                for strategy in args.strategy:  # the cat runs before each load
+                    _round(files, size, out, tp, args.ep_size, strategy)
 
+
+def _round(files: list[Path], size: int, out: Path, tp: int, ep: int, strategy: str) -> None:
+    """cat, then one load, each after dropping the page cache; prints one line."""
+    mmap = strategy == "lazy"
+    cold = drop_caches()
+    before_cat = cached_bytes(files)
+    t0 = time.perf_counter()
+    subprocess.run(["sh", "-c", "cat \"$@\" > /dev/null", "cat", *map(str, files)], check=True)
+    t_cat = time.perf_counter() - t0
+    drop_caches()
+    before_load = cached_bytes(files)
+    prep = ""
+    if tp == 1:
+        t_prep, t_load = in_fresh_process_pair(LOAD.format(root=str(ROOT), ckpt=str(out), mmap=mmap))
+        read = size
+        prep = f"   then process_weights_after_loading {t_prep:.2f} s (load + that: {t_cat / (t_load + t_prep):.2f} of cat)"
+    else:
+        read, t_load = load_on_ranks(out, tp, ep, mmap)
+    state = "cold page cache" if cold else "warm page cache (could not drop caches)"
+    cached = ("" if before_cat is None else
+              f", cached before cat {before_cat / size:.0%}, before load {before_load / size:.0%}")
+    what = f"load_model ({strategy})" if tp == 1 else f"{tp} ranks (ep {ep}, {strategy}), {read / 1e9:.2f} GB read"
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    print(f"[{state}{cached}] cat: {size / t_cat / 1e9:.2f} GB/s ({t_cat:.2f} s)   "
+          f"{what}: {read / t_load / 1e9:.2f} GB/s ({t_load:.2f} s)   "
+          f"ratio (GB/s) load/cat = {read / t_load / (size / t_cat):.2f}{prep}   load average {load}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -114,11 +114,16 @@ def forward_program(place: RankPlace, comm: Collectives, ckpt: str) -> list:
     """Logits of four steps over the reference cache (a DCP rank's holds its slice of the latents):
     a 1-token request (DCP ranks past the first hold none of it), a 9-token prefill and a prefill in
     two chunks, then decodes next to the second chunk, then decodes."""
-    from tidal.model.context import SimpleCache, simple_batch
     from tidal.parallel.loader import load_rank_model
 
-    model = load_rank_model(ckpt, place, comm, torch.float32).eval()
-    cache = SimpleCache(model.config, 3, torch.float32, dcp_rank=place.dcp_rank, dcp_size=place.dcp_size)
+    return forward_steps(load_rank_model(ckpt, place, comm, torch.float32).eval(), place)
+
+
+def forward_steps(model: KimiForCausalLM, place: RankPlace) -> list:
+    """:func:`forward_program`'s four steps on a loaded rank model."""
+    from tidal.model.context import SimpleCache, simple_batch
+
+    cache = SimpleCache(model.config, 3, model.dtype, dcp_rank=place.dcp_rank, dcp_size=place.dcp_size)
     seqs = [[7], [3 + i for i in range(9)], [40, 41, 42]]
     lens, out = [0, 0, 0], []
     with torch.inference_mode():
@@ -132,6 +137,19 @@ def forward_program(place: RankPlace, comm: Collectives, ckpt: str) -> list:
             out.append(model.compute_logits(h))
             lens = [a + b for a, b in zip(lens, q)]
     return out
+
+
+def mapped_and_copied_program(place: RankPlace, comm: Collectives, ckpt: str) -> dict:
+    """One rank, bfloat16: its shard loaded with the file mapped (experts as strided views in file
+    order) and copied; whether every step's logits are equal, and the mapped model's expert slots."""
+    from tidal.model.moe import Experts
+    from tidal.parallel.loader import load_rank_model
+
+    mapped = load_rank_model(ckpt, place, comm, torch.bfloat16).eval().process_weights_after_loading()
+    copied = load_rank_model(ckpt, place, comm, torch.bfloat16, use_mmap=False).eval().process_weights_after_loading()
+    a, b = forward_steps(mapped, place), forward_steps(copied, place)
+    return {"equal": [torch.equal(x, y) for x, y in zip(a, b)],
+            "slots": [m.slots for m in mapped.modules() if isinstance(m, Experts)]}
 
 
 def layouts_program(place: RankPlace, comm: Collectives, ckpts: dict, engine: list, forward: list) -> dict:

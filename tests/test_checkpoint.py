@@ -361,8 +361,8 @@ def _mapped_from(files) -> list[tuple[int, int]]:
 
 def test_weights_whose_bytes_are_on_disk_are_views_of_the_mapped_file(tmp_path):
     """With use_mmap (the default) every weight whose checkpoint bytes are its bytes (bf16 on disk
-    and in memory, not a stacked expert) lies in a mapping of its shard; the model equals a copying
-    load; a write to a weight stays in this process (private mapping: the file keeps its bytes)."""
+    and in memory, stacked experts included) lies in a mapping of its shard; the model equals a
+    copying load; a write to a weight stays in this process (private mapping: the file keeps its bytes)."""
     model = random_model(presets.tiny_kimi_linear(), torch.bfloat16)
     save_model(model, tmp_path, max_shard_bytes=256 << 10)
     files = sorted(tmp_path.glob("*.safetensors"))
@@ -375,12 +375,98 @@ def test_weights_whose_bytes_are_on_disk_are_views_of_the_mapped_file(tmp_path):
     def in_file(t: torch.Tensor) -> bool:
         return any(lo <= t.data_ptr() < hi for lo, hi in ranges)
 
-    state = mapped.state_dict()
-    views = {k for k, t in state.items() if in_file(t)}
-    for k, t in state.items():
-        assert (k in views) == (not EXPERT.search(k)), k  # float32 norms and gates are float32 on disk too
+    for k, t in mapped.named_parameters():
+        assert in_file(t), k  # float32 norms and gates are float32 on disk too
     assert not any(in_file(t) for t in copied.state_dict().values())
     with torch.no_grad():
         mapped.model.embed_tokens.weight.add_(1)
     again = load_model(tmp_path, torch.bfloat16, use_mmap=False)
     assert torch.equal(again.model.embed_tokens.weight, copied.model.embed_tokens.weight)
+
+
+def test_safetensors_load_strategy_of_the_engine(tmp_path):
+    """``LLM(safetensors_load_strategy=...)`` (``tidal serve --safetensors-load-strategy``, vLLM's
+    name): "lazy" leaves the engine's weights in the file's mapping, "eager" in memory of its own,
+    with the same greedy tokens; an unknown strategy is refused before anything loads."""
+    from tidal import LLM, SamplingParams
+
+    save_model(random_model(presets.tiny_kimi_linear(), torch.bfloat16), tmp_path)
+    files = [tmp_path / "model.safetensors"]
+    outs = {}
+    for strategy in ("lazy", "eager"):
+        llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
+                  safetensors_load_strategy=strategy)
+        ranges = _mapped_from(files)
+        weights = [p for p in llm.engine.model.parameters()]
+        in_file = [any(lo <= p.data_ptr() < hi for lo, hi in ranges) for p in weights]
+        assert any(in_file) if strategy == "lazy" else not any(in_file), strategy
+        params = SamplingParams(max_tokens=6, temperature=0)
+        outs[strategy] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}, {"prompt_token_ids": [5, 6]}], params)]
+        del llm
+    assert outs["lazy"] == outs["eager"]
+    with pytest.raises(ValueError, match=r"safetensors_load_strategy 'mmap' is not supported.*'lazy', 'eager'"):
+        LLM(str(tmp_path), skip_tokenizer_init=True, safetensors_load_strategy="mmap")
+
+
+@pytest.mark.parametrize("case", ["kimi_linear_bf16", "k3_dense_bf16", "k3_dense_fp32"])
+def test_stacked_experts_are_strided_views_in_file_order_and_exact(tmp_path, case):
+    """12 experts: the file holds them in the names' order (0, 1, 10, 11, 2, ...). Mapped, each
+    stacked expert weight is a strided view of the file in that order (Experts.slots); the state_dict
+    is in expert order and equals a copying load; greedy tokens and prompt logprobs of a batch mixing
+    prefills and decodes equal the copying load's (float32: the C grouped kernel on the strided
+    weights; bf16: the per-expert matmuls); a write to a weight never reaches the file."""
+    from tidal import LLM, SamplingParams
+    from tidal.model.moe import Experts
+
+    config = presets.tiny_kimi_linear(num_experts=12) if case == "kimi_linear_bf16" else presets.tiny_k3(
+        mxfp4=False, num_experts=12)
+    dtype = torch.float32 if case.endswith("fp32") else torch.bfloat16
+    save_model(random_model(config, dtype), tmp_path)
+    files = [tmp_path / "model.safetensors"]
+    mapped = load_model(tmp_path, dtype)
+    copied = load_model(tmp_path, dtype, use_mmap=False)
+    assert_same_state(mapped.state_dict(), copied.state_dict())
+    ranges = _mapped_from(files)
+
+    def in_file(t: torch.Tensor) -> bool:
+        return any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+
+    experts = [m for m in mapped.modules() if isinstance(m, Experts)]
+    assert experts
+    for m in experts:
+        if dtype == torch.float32:  # copied: MKL's float32 sums depend on the weight's alignment
+            assert m.slots is None and not any(in_file(getattr(m, w)) for w in ("w1", "w2", "w3"))
+            continue
+        assert m.slots == [0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3]  # expert 2 is the file's fifth
+        assert all(in_file(getattr(m, w)) for w in ("w1", "w2", "w3"))
+    # the other readers of stacked experts see expert order: load_state_dict, packing, relayout
+    again = load_model(tmp_path, dtype)
+    again.load_state_dict(copied.state_dict())
+    assert_same_state(again.state_dict(), copied.state_dict())
+    if dtype == torch.bfloat16:
+        from tidal.model.moe import pack_experts
+
+        assert_same_state(pack_experts(load_model(tmp_path, dtype)).state_dict(),
+                          pack_experts(load_model(tmp_path, dtype, use_mmap=False)).state_dict())
+        m = [x for x in again.modules() if isinstance(x, Experts)][0]
+        m.in_model_order()
+        c = [x for x in copied.modules() if isinstance(x, Experts)][0]
+        assert m.slots is None and all(torch.equal(getattr(m, w), getattr(c, w)) for w in ("w1", "w2", "w3"))
+    with torch.no_grad():
+        experts[0].w2.add_(1)  # a private mapping: the file keeps its bytes
+    assert torch.equal(load_model(tmp_path, dtype, use_mmap=False).state_dict()[_w2_name(mapped, experts[0])],
+                       copied.state_dict()[_w2_name(mapped, experts[0])])
+    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 7 * i))} for i in range(3)] + [{"prompt_token_ids": [9]}]
+    params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=0)
+    outs = {}
+    for strategy in ("lazy", "eager"):
+        llm = LLM(str(tmp_path), dtype=str(dtype).removeprefix("torch."), skip_tokenizer_init=True,
+                  kv_cache_memory_bytes=8 << 20, safetensors_load_strategy=strategy, max_num_batched_tokens=48)
+        outs[strategy] = [(o.outputs[0].token_ids, o.prompt_logprobs)
+                          for o in [*llm.generate(prompts, params), *llm.generate(prompts[1:2], params)]]
+        del llm  # the lone request decodes one token per step (Experts._one_token)
+    assert outs["lazy"] == outs["eager"]
+
+
+def _w2_name(model, experts) -> str:
+    return next(n for n, m in model.named_modules() if m is experts) + ".w2"

@@ -93,6 +93,61 @@ def test_sharded_load_into_place_and_converted_agree_with_a_padded_vocabulary(tm
         assert torch.equal(tail.model.embed_tokens.weight[61:], torch.zeros(2, config.hidden_size, dtype=dtype))
 
 
+def _many_experts(tmp_path: Path) -> Path:
+    """A bfloat16 tiny Kimi Linear with 12 experts: the file holds them in the names' order."""
+    from tidal.config import ModelConfig
+    from tidal.model.checkpoint import save_model
+    from tidal.model.init import init_weights
+    from tidal.model.kimi import KimiForCausalLM
+
+    d = pr.tiny_config("kl").to_dict()
+    d.get("text_config", d)["num_experts"] = 12
+    config = ModelConfig.from_dict(d)
+    return save_model(init_weights(KimiForCausalLM(config), seed=2).to_dtype(torch.bfloat16), tmp_path)
+
+
+FILE_ORDER = [0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3]  # slots of experts 0..11 (experts.10 sorts third)
+
+
+def test_rank_experts_mapped_in_file_order_equal_the_copying_load(tmp_path) -> None:
+    """bfloat16, 12 experts. TP 2: each rank's gate and up rows of every expert are strided views of
+    the file (Experts.slots in file order), its column half of the down projection is copied into
+    the same slots; TP 2 + EP 2: a rank's experts are not evenly spaced in the file and are copied.
+    Each rank's state_dict equals the copying load's, and on two gloo ranks the logits of prefills,
+    chunked prefills and decodes equal the copying load's exactly."""
+    from tidal.model.moe import Experts
+
+    ckpt = _many_experts(tmp_path)
+    files = [ckpt / "model.safetensors"]
+    for tp, ep in ((2, 1), (2, 2)):
+        for rank in range(tp):
+            place = RankPlace(rank, tp, ep, 1)
+            mapped = load_rank_model(ckpt, place, _solo(place), torch.bfloat16)
+            copied = load_rank_model(ckpt, place, _solo(place), torch.bfloat16, use_mmap=False)
+            m, c = mapped.state_dict(), copied.state_dict()
+            assert m.keys() == c.keys() and all(torch.equal(m[k], c[k]) for k in m), (tp, ep, rank)
+            ranges = _mapped_ranges(files)
+            for experts in (x for x in mapped.modules() if isinstance(x, Experts)):
+                in_file = [any(lo <= w.data_ptr() < hi for lo, hi in ranges) for w in (experts.w1, experts.w3, experts.w2)]
+                if ep == 1:
+                    assert experts.slots == FILE_ORDER and in_file == [True, True, False], (tp, ep, rank)
+                else:
+                    assert experts.slots is None and not any(in_file), (tp, ep, rank)
+    for result in run_ranks(pr.mapped_and_copied_program, tp_size=2, args=(str(ckpt),), timeout_s=600):
+        assert result["equal"] == [True] * 4 and all(s == FILE_ORDER for s in result["slots"]), result
+
+
+def _mapped_ranges(files) -> list[tuple[int, int]]:
+    names = {str(f) for f in files}
+    out = []
+    for line in open("/proc/self/maps"):
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].strip() in names:
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            out.append((lo, hi))
+    return out
+
+
 def _close(ref: dict, got: dict, where: str) -> None:
     assert got["tokens"] == ref["tokens"], where
     worst = 0.0

@@ -15,6 +15,21 @@ import httpx
 
 from live_server import free_port, start_server
 
+from tidal.embedded import embedded_model_dir
+
+
+def maps_the_checkpoint(pid: int) -> bool:
+    """Whether process ``pid`` maps the embedded model's safetensors file (its float32 norms and
+    gates are views of it under the default --safetensors-load-strategy lazy)."""
+    name = str(embedded_model_dir() / "model.safetensors")
+    with open(f"/proc/{pid}/maps") as f:
+        return any(line.rstrip().endswith(name) for line in f)
+
+
+def rank_pid(rank: int, addr: str) -> int:
+    out = subprocess.run(["pgrep", "-f", f"rank {rank} .*init-method tcp://{addr}"], capture_output=True, text=True)
+    return int(out.stdout.split()[0])
+
 
 def test_two_nodes_serve_and_a_lost_node_turns_health_503() -> None:
     addr = f"127.0.0.1:{free_port()}"
@@ -28,6 +43,7 @@ def test_two_nodes_serve_and_a_lost_node_turns_health_503() -> None:
                        json={"model": "tidal-test", "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8
+        assert maps_the_checkpoint(rank_pid(1, addr))  # lazy, the default, on the other node's rank too
         node1.kill()  # its worker dies with it (PR_SET_PDEATHSIG)
         node1.wait()
         deadline = time.monotonic() + 30
@@ -50,13 +66,15 @@ def test_two_nodes_serve_and_a_lost_node_turns_health_503() -> None:
 def test_a_hung_rank_turns_health_503_and_fails_its_requests() -> None:
     """A rank that stops answering (SIGSTOP: no crash, no closed connection) while a request streams:
     the heartbeat watchdog finds it within seconds, the stream ends with an error naming the rank,
-    /health turns 503, new requests are refused, and SIGTERM leaves no process (the stopped one too)."""
+    /health turns 503, new requests are refused, and SIGTERM leaves no process (the stopped one too).
+    Served with --safetensors-load-strategy eager: the ranks hold no mapping of the checkpoint."""
     addr = f"127.0.0.1:{free_port()}"
-    server = start_server("--tp-size", "2", "--dist-init-addr", addr, timeout=600)
+    server = start_server("--tp-size", "2", "--dist-init-addr", addr, "--safetensors-load-strategy", "eager",
+                          timeout=600)
     rank1 = None
     try:
-        out = subprocess.run(["pgrep", "-f", f"rank 1 .*init-method tcp://{addr}"], capture_output=True, text=True)
-        rank1 = int(out.stdout.split()[0])
+        rank1 = rank_pid(1, addr)
+        assert not maps_the_checkpoint(rank1) and not maps_the_checkpoint(rank_pid(0, addr))
         body = {"model": "tidal-test", "prompt": "def add(a, b):", "max_tokens": 4000, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         errors, chunks, stopped = [], 0, None

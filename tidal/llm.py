@@ -11,7 +11,7 @@ import torch
 from tidal.config import parse_dtype
 from tidal.engine.core import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig, EngineCore
 from tidal.engine.request import RequestOutput
-from tidal.model.checkpoint import resolve_quantization
+from tidal.model.checkpoint import resolve_quantization, use_mmap_for
 from tidal.model.kimi import KimiForCausalLM
 from tidal.model.moe import pack_experts
 from tidal.sampling_params import SamplingParams
@@ -37,6 +37,9 @@ class LLM:
     with ``encode``/``decode``; by default the checkpoint's ``tokenizer.json`` unless
     ``skip_tokenizer_init``. ``kv_cache_memory_bytes`` sets the memory pool size exactly.
     ``enable_prefix_caching`` / ``prefix_snapshot_interval``: see :class:`EngineConfig`.
+    ``safetensors_load_strategy`` (vLLM's): "lazy" (default) maps the checkpoint's files, so a weight
+    whose bytes on disk are its bytes in memory is a private view of the file's pages; "eager" reads
+    every weight into memory of its own (llama.cpp's ``--no-mmap``); on every rank alike.
     ``quantization`` (vLLM's): "mxfp4" keeps the routed experts packed in MXFP4, quantising dense
     ones; None follows the checkpoint (MXFP4 experts stay packed). An in-memory model is used as it
     is unless "mxfp4" is asked. ``speculative_*`` / ``enable_linear_replayssm_spec``: speculative
@@ -79,7 +82,9 @@ class LLM:
         nnodes: int = 1,
         dist_init_addr: str | None = None,
         dist_timeout: float | None = None,
+        safetensors_load_strategy: str = "lazy",
     ) -> None:
+        use_mmap = use_mmap_for(safetensors_load_strategy)  # a bad name fails before anything loads
         speculative = SpeculativeConfig.from_args(  # bad settings fail before the model loads
             speculative_algorithm, speculative_num_draft_tokens, speculative_draft_model_path,
             speculative_dspark_block_size, enable_linear_replayssm_spec)
@@ -94,7 +99,8 @@ class LLM:
                 raise ValueError("tp_size > 1 on CUDA needs kv_cache_memory_bytes (the pool per rank): the engine "
                                  "core does not measure the ranks' GPUs")
             net, self.workers = _rank_workers(Path(model), dtype or "float32", quantization, tp_size, ep_size, dcp_size,
-                                              nnodes, dist_init_addr, dist_timeout, str(device))
+                                              nnodes, dist_init_addr, dist_timeout, str(device),
+                                              safetensors_load_strategy)
             model_dir = Path(model)
         elif isinstance(model, torch.nn.Module):
             net = model
@@ -108,7 +114,8 @@ class LLM:
 
             model_dir = Path(model) if model is not None else _default_model_dir()
             quantization = resolve_quantization(read_config(model_dir), quantization)
-            net = load_model(model_dir, parse_dtype(dtype or "float32"), device, quantization=quantization)
+            net = load_model(model_dir, parse_dtype(dtype or "float32"), device, quantization=quantization,
+                             use_mmap=use_mmap)
         if tokenizer is None and model_dir is not None and not skip_tokenizer_init:
             from tidal.tokenizer import load_tokenizer
 
@@ -195,7 +202,7 @@ class LLM:
 
 def _rank_workers(model_dir: Path, dtype: str | torch.dtype, quantization: str | None, tp: int, ep: int,
                   dcp: int, nnodes: int, dist_init_addr: str | None, dist_timeout: float | None,
-                  device: str) -> tuple[KimiForCausalLM, Any]:
+                  device: str, load_strategy: str = "lazy") -> tuple[KimiForCausalLM, Any]:
     """Rank 0's model on the meta device (the engine core reads its shapes) and the rank workers."""
     from tidal.model.checkpoint import read_config
     from tidal.parallel.groups import Collectives, RankPlace
@@ -211,7 +218,7 @@ def _rank_workers(model_dir: Path, dtype: str | torch.dtype, quantization: str |
     name = str(parse_dtype(dtype)).removeprefix("torch.")
     return skeleton, RankWorkers(str(model_dir), name, tp_size=tp, ep_size=ep, dcp_size=dcp, nnodes=nnodes,
                                  dist_init_addr=dist_init_addr, timeout_s=dist_timeout or DEFAULT_TIMEOUT_S,
-                                 device=device, quantization=quantization)
+                                 device=device, quantization=quantization, safetensors_load_strategy=load_strategy)
 
 
 def _merge(request_id: str, outs: list[RequestOutput]) -> RequestOutput:

@@ -232,6 +232,11 @@ class _Checkpoint:
             offset, nbytes = offset + rows[0] * row, (rows[1] - rows[0]) * row
         return self.mapped.view(self.root / self.where[name], offset, nbytes, shape, dtype)
 
+    def file_order(self, names: list[str]) -> list[str]:
+        """``names`` in the order their bytes lie on disk (file, then offset): the reads then follow
+        each file front to back, as ``cat`` does, and the kernel's read-ahead streams it."""
+        return sorted(names, key=lambda n: (self.where[n], self.info(n)[0]))
+
     def read(self, name: str, where: tuple[int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Tensor ``name``, or its ``(dim, start, stop)`` slice (clamped to the tensor), read with
         plain file reads (``tidal.model.readahead.read_block``) into ``out`` (its dtype and element
@@ -443,6 +448,16 @@ def _one_thread():
 
 
 QUANTIZATIONS = ("mxfp4",)
+# vLLM's --safetensors-load-strategy: "lazy" maps the files (a weight whose disk bytes are its bytes
+# is a view of the file's pages, tidal.model.mapped), "eager" reads every weight into memory of its own.
+LOAD_STRATEGIES = ("lazy", "eager")
+
+
+def use_mmap_for(strategy: str) -> bool:
+    """``use_mmap`` of a ``--safetensors-load-strategy``; an unknown one is an error naming the choices."""
+    if strategy not in LOAD_STRATEGIES:
+        raise ValueError(f"safetensors_load_strategy {strategy!r} is not supported; choose one of {list(LOAD_STRATEGIES)}")
+    return strategy == "lazy"
 
 
 def resolve_quantization(config: ModelConfig, quantization: str | None) -> str | None:
@@ -493,15 +508,21 @@ def load_model(
         filled: dict[str, torch.Tensor] = {}
         pending: dict[tuple[str, int], torch.Tensor] = {}  # MXFP4 half waiting for its other half
         direct: set[str] = set()
-        views = _map_weights(ckpt, layout, targets, filled) if use_mmap and device.type == "cpu" else {}
+        views: dict[str, torch.Tensor] = {}
+        slots: dict[str, list[int]] = {}
+        if use_mmap and device.type == "cpu":
+            views = _map_weights(ckpt, layout, targets, filled)
+            if not keep_packed:
+                slots = map_experts(ckpt, targets, filled, views, _stacked_experts(layout), {})
 
         def reads() -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
-            for name, (spec, src) in layout.items():
+            for name in ckpt.file_order(list(layout)):
+                spec, src = layout[name]
                 if name in views:  # mapped: the load reads its pages into the page cache
                     direct.add(name)
                     yield name, 0, functools.partial(ckpt.mapped.populate, views[name])
                     continue
-                dest = _destination(model, targets, filled, ckpt, name, spec, src, keep_packed, device)
+                dest = _destination(model, targets, filled, ckpt, name, spec, src, keep_packed, device, slots)
                 if dest is not None:  # read straight into the model: no buffer in flight
                     direct.add(name)
                     yield name, 0, functools.partial(ckpt.read, name, None, dest)
@@ -526,8 +547,9 @@ def load_model(
                     tensor = tensor[: spec.shape[0]]
                 out.copy_(tensor.reshape(target.shape))
                 continue
+            at = expert_slot(slots, src.param, src.expert)
             if src.part == "weight":
-                out[src.expert].copy_(tensor)
+                out[at].copy_(tensor)
                 continue
             tensor = tensor.to(device)
             other = pending.pop((src.param, src.expert), None)
@@ -536,11 +558,11 @@ def load_model(
                 continue
             packed, scales = (tensor, other) if src.part == "packed" else (other, tensor)
             try:
-                out[src.expert].copy_(dequantize_mxfp4(packed, scales, target.dtype))
+                out[at].copy_(dequantize_mxfp4(packed, scales, target.dtype))
             except ValueError as e:
                 scale_name = name if src.part == "scale" else name.replace(".weight_packed", ".weight_scale")
                 raise CheckpointError(f"tensor '{scale_name}' in {ckpt.file(scale_name)}: {e}") from None
-    _install(model, filled)
+    _install(model, filled, slots)
     progress.done()
     return model
 
@@ -548,8 +570,8 @@ def load_model(
 def _map_weights(ckpt: _Checkpoint, layout: dict[str, tuple[TensorSpec, _Source]], targets: dict[str, torch.Tensor],
                  filled: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Make every parameter whose checkpoint bytes are its bytes a view of the file's mapping, in
-    ``filled``; returns checkpoint name -> view. Routed experts are not: the model stacks them and
-    safetensors writes tensors sorted by name, so one weight's experts are never consecutive."""
+    ``filled``; returns checkpoint name -> view. Routed experts, which the model stacks while the
+    file holds them one by one, are :func:`map_experts`'s."""
     views: dict[str, torch.Tensor] = {}
     for name, (spec, src) in layout.items():
         if src.expert is None and not spec.min_length:
@@ -558,6 +580,105 @@ def _map_weights(ckpt: _Checkpoint, layout: dict[str, tuple[TensorSpec, _Source]
             if view is not None:
                 views[name] = filled[src.param] = view
     return views
+
+
+def _stacked_experts(layout: dict[str, tuple[TensorSpec, _Source]], local: Callable[[str], tuple[int, int] | None]
+                     = lambda param: None) -> dict[str, dict[str, list[str]]]:
+    """Experts module -> leaf (w1/w2/w3) -> checkpoint name of each expert it holds (``local(param)``:
+    (first, count) of a rank's experts, else all), for dense experts stored one tensor each."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for name, (spec, src) in layout.items():
+        if src.expert is None or src.part != "weight":
+            continue
+        first, count = local(src.param) or (0, None)
+        if src.expert < first or (count is not None and src.expert >= first + count):
+            continue
+        module, _, leaf = src.param.rpartition(".")
+        out.setdefault(module, {}).setdefault(leaf, []).append(name)
+    return out
+
+
+def map_experts(ckpt: _Checkpoint, targets: dict[str, torch.Tensor], filled: dict[str, torch.Tensor],
+                views: dict[str, torch.Tensor], experts: dict[str, dict[str, list[str]]],
+                rows: dict[str, tuple[int, int] | None]) -> dict[str, list[int]]:
+    """Stacked expert weights as strided views of the file's mapping, in ``filled`` (each expert's
+    checkpoint name -> its matrix in ``views``); returns module -> ``Experts.slots`` where the file's
+    order is not the experts' own.
+
+    safetensors sorts a file's tensors by name, so an expert's w1, w2 and w3 lie back to back and
+    the experts follow each other in the names' order (0, 1, 10, 11, ..., 2, ...).
+    One weight of every expert is then a run of equal size at a constant stride: a [E, out, in] view
+    with dim 0 in file order, expert e at slots[e]. ``rows``: checkpoint name -> the [start, stop)
+    rows a rank holds of it, or None where its part is not a row range; absent: the whole matrix.
+    A weight whose experts are not so placed (another dtype, another file, a column slice under
+    tensor parallelism) is left to the copying load, which writes expert e at slots[e] too."""
+    slots_of: dict[str, list[int]] = {}
+    for module, leaves in experts.items():
+        names = [n for by_expert in leaves.values() for n in by_expert]
+        files = {ckpt.where[n] for n in names}
+        if len(files) != 1:
+            continue
+        key = next(iter(leaves.values()))
+        order = sorted(range(len(key)), key=lambda e: ckpt.info(key[e])[0])
+        slots = [0] * len(order)
+        for pos, e in enumerate(order):
+            slots[e] = pos
+        plans = {leaf: plan for leaf, by_expert in leaves.items()
+                 if (plan := _strided(ckpt, [by_expert[e] for e in order], rows, targets[f"{module}.{leaf}"]))}
+        dtypes = {targets[f"{module}.{leaf}"].dtype for leaf in plans}
+        if not plans or len(dtypes) != 1:
+            continue
+        dtype = dtypes.pop()
+        lo = min(first for first, _, _ in plans.values())
+        hi = max(first + (len(order) - 1) * stride + run for first, stride, run in plans.values())
+        span = ckpt.mapped.view(ckpt.root / files.pop(), lo, hi - lo, ((hi - lo) // dtype.itemsize,), dtype)
+        if span is None:
+            continue
+        for leaf, (first, stride, run) in plans.items():
+            target = targets[f"{module}.{leaf}"]
+            view = span.as_strided((len(order), *target.shape[1:]), (stride // dtype.itemsize, target.shape[2], 1),
+                                   (first - lo) // dtype.itemsize)
+            filled[f"{module}.{leaf}"] = view
+            for e, name in enumerate(leaves[leaf]):
+                views[name] = view[slots[e]]
+        if order != sorted(order):
+            slots_of[module] = slots
+    return slots_of
+
+
+def _strided(ckpt: _Checkpoint, names: list[str], rows: dict[str, tuple[int, int] | None],
+             target: torch.Tensor) -> tuple[int, int, int] | None:
+    """(file offset of the first, stride, bytes of each) of the experts' matrices ``names`` (in file
+    order) as parts of ``target`` [E, out, in], or None where they are not equal runs at one stride."""
+    if target.dtype not in MAPPED_EXPERT_DTYPES:
+        return None
+    isz = target.dtype.itemsize
+    offsets = []
+    for name in names:
+        offset, shape, dtype = ckpt.info(name)
+        if dtype != target.dtype or len(shape) != 2 or shape[1] != target.shape[2] or name in rows and rows[name] is None:
+            return None
+        start, stop = rows.get(name, (0, shape[0]))
+        if stop - start != target.shape[1] or stop > shape[0]:
+            return None
+        offsets.append(offset + start * shape[1] * isz)
+    run = target.shape[1] * target.shape[2] * isz
+    stride = offsets[1] - offsets[0] if len(offsets) > 1 else run
+    if any(b - a != stride for a, b in zip(offsets, offsets[1:])) or stride < run or stride % isz or offsets[0] % isz:
+        return None
+    return offsets[0], stride, run
+
+
+# Stacked experts are mapped in 16-bit dtypes only: float32 experts multiply through MKL, whose sums
+# depend on the weight's address modulo 64 (measured: a mapped expert 40 bytes past a 64-byte line
+# gave other float32 results than its aligned copy), and safetensors does not align tensors.
+MAPPED_EXPERT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def expert_slot(slots: dict[str, list[int]], param: str, expert: int) -> int:
+    """Where expert ``expert`` of stacked weight ``param`` lies along its dim 0 (see map_experts)."""
+    at = slots.get(param.rpartition(".")[0])
+    return expert if at is None else at[expert]
 
 
 def _filled(filled: dict[str, torch.Tensor], param: str, target: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -570,7 +691,7 @@ def _filled(filled: dict[str, torch.Tensor], param: str, target: torch.Tensor, d
 
 def _destination(model: KimiForCausalLM, targets: dict[str, torch.Tensor], filled: dict[str, torch.Tensor],
                  ckpt: _Checkpoint, name: str, spec: TensorSpec, src: _Source, keep_packed: bool,
-                 device: torch.device) -> torch.Tensor | None:
+                 device: torch.device, slots: dict[str, list[int]]) -> torch.Tensor | None:
     """Where checkpoint tensor ``name``'s bytes go as they are (a CPU tensor of the same dtype and
     element count: its parameter, one expert of a stacked or packed parameter), or None when they
     must be converted first (another dtype, MXFP4 to dense or dense to MXFP4, a vector cut short)."""
@@ -586,7 +707,7 @@ def _destination(model: KimiForCausalLM, targets: dict[str, torch.Tensor], fille
     if src.part != "weight" or on_disk != target.dtype:
         return None
     out = _filled(filled, src.param, target, device)
-    return out if src.expert is None else out[src.expert]
+    return out if src.expert is None else out[expert_slot(slots, src.param, src.expert)]
 
 
 def _check_scales(ckpt: _Checkpoint, name: str, scales: torch.Tensor) -> None:
@@ -618,8 +739,11 @@ def _load_packed(model: KimiForCausalLM, ckpt: _Checkpoint, name: str, src: _Sou
     experts.target(leaf, src.part)[src.expert].copy_(tensor)
 
 
-def _install(model: KimiForCausalLM, tensors: dict[str, torch.Tensor]) -> None:
-    """Replace the meta parameters and buffers by the loaded tensors, then re-tie embeddings."""
+def _install(model: KimiForCausalLM, tensors: dict[str, torch.Tensor], slots: dict[str, list[int]] | None = None) -> None:
+    """Replace the meta parameters and buffers by the loaded tensors, then re-tie embeddings; each
+    Experts module in ``slots`` holds its experts in that order (``Experts.slots``)."""
+    for module_name, at in (slots or {}).items():
+        model.get_submodule(module_name).slots = at
     for name, tensor in tensors.items():
         module_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(module_name)

@@ -191,6 +191,42 @@ class Experts(nn.Module):
         # (first, count): the router's experts this module holds, as experts 0..count-1 (a rank's
         # share under expert parallelism, tidal.parallel); None: all of them.
         self.local_experts: tuple[int, int] | None = None
+        # Where expert e's matrices lie along dim 0 of w1/w2/w3: slots[e] (a load that maps the
+        # checkpoint keeps them in the file's order, tidal.model.checkpoint); None: at e. Routing,
+        # grouping and the order of every sum stay by expert number: only the weight lookup moves.
+        # state_dict() and load_state_dict() speak expert order.
+        self.slots: list[int] | None = None
+
+    def _at(self, e: int) -> int:
+        return e if self.slots is None else self.slots[e]
+
+    def model_order(self, leaf: str) -> torch.Tensor:
+        """Stacked weight ``leaf`` (w1/w2/w3) with expert e at index e (a copy when slots are set)."""
+        w = getattr(self, leaf)
+        return w if self.slots is None else w.detach()[self.slots]
+
+    def in_model_order(self) -> None:
+        """Give w1/w2/w3 storage of their own in expert order (before a parametrisation, which sees
+        the stacked tensors whole)."""
+        if self.slots is not None:
+            for leaf in ("w1", "w2", "w3"):
+                old = self._parameters[leaf]
+                self._parameters[leaf] = nn.Parameter(self.model_order(leaf), requires_grad=old.requires_grad)
+            self.slots, self._w13 = None, None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.slots is not None:
+            for leaf in ("w1", "w2", "w3"):
+                if prefix + leaf in destination:
+                    destination[prefix + leaf] = self.model_order(leaf)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):  # type: ignore[no-untyped-def]
+        if self.slots is not None:
+            order = sorted(range(len(self.slots)), key=self.slots.__getitem__)  # expert at each index
+            state_dict = {k: v[order] if k in {prefix + "w1", prefix + "w2", prefix + "w3"} else v
+                          for k, v in state_dict.items()}
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def fuse_weights(self) -> None:
         """Keep w1 and w3 as the two halves of one [E, 2I, d_e] tensor, so each expert's gate and up
@@ -225,7 +261,8 @@ class Experts(nn.Module):
         if T == 0:
             return out
         w13 = self._fused()
-        if use_triton(h) and not (torch.is_grad_enabled() and h.requires_grad) and self.local_experts is None:
+        if use_triton(h) and not (torch.is_grad_enabled() and h.requires_grad) and self.local_experts is None \
+                and self.slots is None:
             # the GPU's grouped kernel: no host sync, no per-expert loop
             gate_up = w13 if w13 is not None else torch.cat([self.w1, self.w3], dim=1)
             return backends.routed_experts(h, ids, weights, (gate_up, None), (self.w2, None),
@@ -255,10 +292,11 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """The experts' outputs for x, whose rows are sorted by expert (counts[i] rows of experts[i])."""
         rows = x.split(counts)
-        parts = [torch.cat([project(r, w[e]) for e, r in zip(experts, rows)]) for w in gate_up]
+        at = [self._at(e) for e in experts]
+        parts = [torch.cat([project(r, w[s]) for s, r in zip(at, rows)]) for w in gate_up]
         gate, up = parts[0].tensor_split(2, dim=1) if len(parts) == 1 else parts
         act = activate(self.config, gate, up).split(counts)
-        return torch.cat([project(a, w2[e]) for e, a in zip(experts, act)])
+        return torch.cat([project(a, w2[s]) for s, a in zip(at, act)])
 
     def _few_rows(
         self, kernel: Callable[..., torch.Tensor], h: torch.Tensor, token_of: torch.Tensor, w_sorted: torch.Tensor,
@@ -267,7 +305,7 @@ class Experts(nn.Module):
         """Decode: every active expert has a few rows; the C grouped matmul streams each expert's
         weights once for its rows (``tidal.ops.cpu_kernels``), the activation runs once for all."""
         offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum_(0)
-        ids = torch.tensor(experts, dtype=torch.int64)
+        ids = torch.tensor([self._at(e) for e in experts], dtype=torch.int64)
         gate_up = kernel(h.index_select(0, token_of), offsets, ids, w13)
         gate, up = gate_up.tensor_split(2, dim=1)
         y = kernel(activate(self.config, gate, up), offsets, ids, self.w2)
@@ -276,7 +314,7 @@ class Experts(nn.Module):
     def _one_token(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """forward for T == 1, without the grouping: the same products, added in the same order."""
         chosen, slot = ids[0].sort()
-        experts = chosen.tolist()
+        experts = [self._at(e) for e in chosen.tolist()]
         parts = [project_each(h, [w[e] for e in experts]) for w in self._gate_up_weights()]
         gate, up = parts[0].tensor_split(2, dim=1) if len(parts) == 1 else parts
         w2 = self.w2
@@ -314,9 +352,8 @@ class PackedExperts(nn.Module):
         w = experts.w1
         packed = cls(experts.config, w.device)
         if not w.is_meta:
-            packed.set_expert_weights("w1", slice(None), experts.w1.detach().float())
-            packed.set_expert_weights("w3", slice(None), experts.w3.detach().float())
-            packed.set_expert_weights("w2", slice(None), experts.w2.detach().float())
+            for leaf in ("w1", "w3", "w2"):
+                packed.set_expert_weights(leaf, slice(None), experts.model_order(leaf).detach().float())
         packed.local_experts = experts.local_experts
         return packed
 

@@ -15,7 +15,7 @@ import torch
 
 from tidal.model.checkpoint import (
     TensorSpec, _check, _check_scales, _Checkpoint, _filled, _install, _layout, _materialise_packed, _open,
-    _one_thread, _Source, read_config, resolve_quantization,
+    _one_thread, _Source, _stacked_experts, expert_slot, map_experts, read_config, resolve_quantization,
 )
 from tidal.model.kimi import KimiForCausalLM
 from tidal.model.moe import Experts, PackedExperts
@@ -57,8 +57,9 @@ def load_rank_model(
         _check(ckpt, config, layout)
         wheres: dict[str, tuple[int, int, int] | None] = {}
         direct: set[str] = set()
-        plan = []  # (name, where, bytes of the slice, read whole)
-        for name, (spec, src) in layout.items():
+        plan = []  # (name, where, bytes of the slice, read whole), in file order
+        for name in ckpt.file_order(list(layout)):
+            spec, src = layout[name]
             module_name, _, leaf = src.param.rpartition(".")
             if src.expert is not None:
                 first, count = model.get_submodule(module_name).local_experts or (0, config.num_experts)
@@ -71,6 +72,16 @@ def load_rank_model(
             whole = leaf == "A_log" or spec.min_length  # a few floats, stored in another shape: read whole
             part = spec.nbytes if whole or where is None else spec.nbytes * (where[2] - where[1]) // spec.shape[where[0]]
             plan.append((name, where, part, whole))
+        views: dict[str, torch.Tensor] = {}  # this rank's expert matrices mapped from the file
+        slots: dict[str, list[int]] = {}
+        if use_mmap and device.type == "cpu" and not keep_packed:
+            def local(param: str) -> tuple[int, int] | None:
+                return model.get_submodule(param.rpartition(".")[0]).local_experts
+
+            rows = {name: None if where[0] else where[1:] for name, where in wheres.items()
+                    if layout[name][1].expert is not None and where is not None
+                    and (where[1], where[2]) != (0, layout[name][0].shape[where[0]])}
+            slots = map_experts(ckpt, targets, filled, views, _stacked_experts(layout, local), rows)
 
         def reads() -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
             for name, where, part, whole in plan:
@@ -79,13 +90,15 @@ def load_rank_model(
                 if use_mmap and device.type == "cpu" and src.expert is None and not whole and (where is None or where[0] == 0):
                     target = targets[src.param]
                     view = ckpt.view(name, tuple(target.shape), target.dtype, None if where is None else where[1:])
+                if view is not None:
+                    filled[src.param] = view
+                view = views.get(name, view)
                 if view is not None:  # mapped: the load reads its pages into the page cache
                     direct.add(name)
-                    filled[src.param] = view
                     yield name, 0, functools.partial(ckpt.mapped.populate, view)
                     continue
                 dest = None if whole else _destination(model, targets, filled, ckpt, name, spec, src, where,
-                                                       keep_packed, device)
+                                                       keep_packed, device, slots)
                 if dest is not None:  # read straight into the rank's tensor: no buffer in flight
                     direct.add(name)
                     yield name, 0, functools.partial(ckpt.read, name, where, dest)
@@ -108,7 +121,7 @@ def load_rank_model(
                 experts = model.get_submodule(module_name)
                 first = (experts.local_experts or (0, 0))[0]
                 _put_expert(experts, leaf, src.expert - first, src.part, tensor, filled, pending, targets,
-                            src.param, device, name, ckpt)
+                            src.param, device, name, ckpt, slots)
                 continue
             target = targets[src.param]
             full_shape = shapes[src.param]
@@ -118,7 +131,7 @@ def load_rank_model(
             elif where is not None:  # zero-pad a vocabulary shard that runs past the end
                 tensor = take(tensor, (where[0], 0, where[2] - where[1]))
             _filled(filled, src.param, target, device).copy_(tensor.reshape(target.shape))
-    _install(model, filled)
+    _install(model, filled, slots)
     model.loaded_bytes = nbytes  # type: ignore[assignment]
     seconds = max(time.perf_counter() - start, 1e-9)
     log.debug("rank %d loaded its shard of %s: %.3f GB in %.3f s, %.3f GB/s", place.rank, root, nbytes / 1e9,
@@ -128,7 +141,7 @@ def load_rank_model(
 
 def _destination(model: KimiForCausalLM, targets: dict[str, torch.Tensor], filled: dict[str, torch.Tensor],
                  ckpt: _Checkpoint, name: str, spec: TensorSpec, src: _Source, where: tuple[int, int, int] | None,
-                 keep_packed: bool, device: torch.device) -> torch.Tensor | None:
+                 keep_packed: bool, device: torch.device, slots: dict[str, list[int]]) -> torch.Tensor | None:
     """Where this rank's slice of checkpoint tensor ``name`` goes as it is read (same dtype, a
     contiguous CPU tensor: its parameter, one local expert, the real rows of a vocabulary shard
     whose padding rows are zeroed here), or None when it must be converted first."""
@@ -142,7 +155,7 @@ def _destination(model: KimiForCausalLM, targets: dict[str, torch.Tensor], fille
         if isinstance(experts, PackedExperts):
             return None if src.part == "weight" else experts.target(leaf, src.part)[e]
         out = _filled(filled, src.param, targets[src.param], device)
-        return out[e] if src.part == "weight" and on_disk == out.dtype else None
+        return out[expert_slot(slots, src.param, e)] if src.part == "weight" and on_disk == out.dtype else None
     target = targets[src.param]
     if on_disk != target.dtype:
         return None
@@ -156,8 +169,9 @@ def _destination(model: KimiForCausalLM, targets: dict[str, torch.Tensor], fille
 
 def _put_expert(experts: torch.nn.Module, leaf: str, e: int, part: str, tensor: torch.Tensor,
                 filled: dict[str, torch.Tensor], pending: dict[tuple[str, int], torch.Tensor],
-                targets: dict[str, torch.Tensor], param: str, device: torch.device, name: str, ckpt: object) -> None:
-    """One local expert's slice into the rank's packed or dense experts."""
+                targets: dict[str, torch.Tensor], param: str, device: torch.device, name: str, ckpt: object,
+                slots: dict[str, list[int]]) -> None:
+    """One local expert's slice into the rank's packed or dense experts (dense: at its slot)."""
     if isinstance(experts, PackedExperts):
         if part == "weight":
             experts.set_expert_weights(leaf, e, tensor.to(torch.float32))
@@ -168,6 +182,7 @@ def _put_expert(experts: torch.nn.Module, leaf: str, e: int, part: str, tensor: 
         return
     assert isinstance(experts, Experts)
     out = _filled(filled, param, targets[param], device)
+    e = expert_slot(slots, param, e)
     if part == "weight":
         out[e].copy_(tensor)
         return

@@ -167,7 +167,7 @@ def copy_shards(full: KimiForCausalLM, rank: KimiForCausalLM, place: RankPlace) 
 def _expert_shard(full: nn.Module, local: nn.Module, leaf: str, place: RankPlace) -> torch.Tensor:
     first, count = local.local_experts
     if isinstance(full, Experts):
-        w = getattr(full, leaf)[first : first + count]
+        w = full.model_order(leaf)[first : first + count]
         dim, a, b = expert_slice(leaf, w.shape[2 if leaf == "w2" else 1], place)
         return w.narrow(dim + 1, a, b - a)
     part = "packed" if leaf.endswith("packed") else "scale"

@@ -151,9 +151,10 @@ def _recv_bytes(src: int) -> bytes:
 
 def worker_main(rank: int, tp_size: int, ep_size: int, dcp_size: int, init_method: str, model_dir: str,
                 dtype: str, timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu",
-                quantization: str | None = None) -> None:
+                quantization: str | None = None, safetensors_load_strategy: str = "lazy") -> None:
     """A rank's process: join the world, load its shard, then run plans until the core says stop."""
     from tidal.engine.worker import Worker
+    from tidal.model.checkpoint import use_mmap_for
     from tidal.parallel.loader import load_rank_model
     from tidal.serve.core_process import die_with_parent
 
@@ -172,7 +173,7 @@ def worker_main(rank: int, tp_size: int, ep_size: int, dcp_size: int, init_metho
         comm = make_groups(tp_size, ep_size, dcp_size)
         t0 = time.perf_counter()
         model = load_rank_model(model_dir, comm.place, comm, parse_dtype(dtype), device, quantization,
-                                progress=_report_load(store, rank))
+                                progress=_report_load(store, rank), use_mmap=use_mmap_for(safetensors_load_strategy))
         store.set(loaded_key(rank), json.dumps({"bytes": model.loaded_bytes, "seconds": time.perf_counter() - t0}))
         box: list = [None]
         dist.broadcast_object_list(box, src=core, device=torch.device("cpu"))  # the layout the core planned
@@ -192,7 +193,7 @@ def worker_main(rank: int, tp_size: int, ep_size: int, dcp_size: int, init_metho
 
 
 def _spawn(rank: int, tp_size: int, ep_size: int, dcp_size: int, init_method: str, model_dir: str, dtype: str,
-           timeout_s: float, device: str, quantization: str | None) -> subprocess.Popen:
+           timeout_s: float, device: str, quantization: str | None, load_strategy: str) -> subprocess.Popen:
     """A worker as its own process (``python -m tidal.parallel.workers``): the engine core may be a
     daemonic process, which multiprocessing does not let have children."""
     cmd = [sys.executable, "-m", "tidal.parallel.workers", "--rank", str(rank), "--tp-size", str(tp_size),
@@ -200,13 +201,14 @@ def _spawn(rank: int, tp_size: int, ep_size: int, dcp_size: int, init_method: st
            "--model-dir", model_dir, "--dtype", dtype, "--timeout-s", str(timeout_s), "--device", device]
     if quantization:
         cmd += ["--quantization", quantization]
-    return subprocess.Popen(cmd)
+    return subprocess.Popen([*cmd, "--safetensors-load-strategy", load_strategy])
 
 
 def _spawn_node(ranks: range, tp_size: int, ep_size: int, dcp_size: int, init_method: str, model_dir: str,
-                dtype: str, timeout_s: float, device: str, quantization: str | None) -> list[subprocess.Popen]:
+                dtype: str, timeout_s: float, device: str, quantization: str | None,
+                load_strategy: str) -> list[subprocess.Popen]:
     return [_spawn(r, tp_size, ep_size, dcp_size, init_method, model_dir, dtype, timeout_s,
-                   rank_device(device, r - ranks.start), quantization) for r in ranks]
+                   rank_device(device, r - ranks.start), quantization, load_strategy) for r in ranks]
 
 
 class RankWorkers:
@@ -217,7 +219,7 @@ class RankWorkers:
 
     def __init__(self, model_dir: str, dtype: str, *, tp_size: int, ep_size: int = 1, dcp_size: int = 1,
                  nnodes: int = 1, dist_init_addr: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 device: str = "cpu", quantization: str | None = None) -> None:
+                 device: str = "cpu", quantization: str | None = None, safetensors_load_strategy: str = "lazy") -> None:
         self.tp_size = tp_size
         self.lost: str | None = None
         self.closed = False
@@ -230,7 +232,7 @@ class RankWorkers:
         self.store = dist.TCPStore(host, port, tp_size + 1, is_master=True, wait_for_workers=False, timeout=td)
         init_method = f"tcp://{host}:{self.store.port}"
         self.procs = _spawn_node(ranks, tp_size, ep_size, dcp_size, init_method, model_dir, dtype, timeout_s,
-                                 device, quantization)
+                                 device, quantization, safetensors_load_strategy)
         self.watchdog = Watchdog(host, self.store.port, range(tp_size), dict(zip(ranks, self.procs)), self._lose)
         try:
             self._wait_for(heartbeat_key, deadline=time.monotonic() + STARTUP_TIMEOUT_S)  # every rank started
@@ -365,12 +367,12 @@ class RankWorkers:
 
 def run_node(model_dir: str, dtype: str, *, tp_size: int, ep_size: int, dcp_size: int, nnodes: int, node_rank: int,
              dist_init_addr: str, timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu",
-             quantization: str | None = None) -> int:
+             quantization: str | None = None, safetensors_load_strategy: str = "lazy") -> int:
     """A node other than the first (``--node-rank`` k > 0): run its workers until the core stops
     them; the exit status is the first failing worker's (0 when all stopped cleanly)."""
     host, port = split_addr(dist_init_addr)
     procs = _spawn_node(node_ranks(tp_size, nnodes, node_rank), tp_size, ep_size, dcp_size, f"tcp://{host}:{port}",
-                        model_dir, dtype, timeout_s, device, quantization)
+                        model_dir, dtype, timeout_s, device, quantization, safetensors_load_strategy)
     try:
         codes = [p.wait() for p in procs]
     finally:
@@ -390,9 +392,10 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--safetensors-load-strategy", default="lazy", choices=("lazy", "eager"))
     a = ap.parse_args()
     worker_main(a.rank, a.tp_size, a.ep_size, a.dcp_size, a.init_method, a.model_dir, a.dtype, a.timeout_s,
-                a.device, a.quantization)
+                a.device, a.quantization, a.safetensors_load_strategy)
 
 
 if __name__ == "__main__":

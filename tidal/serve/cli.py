@@ -19,6 +19,7 @@ from typing import Any
 
 from tidal.multimodal.decode import DEFAULT_LIMIT_IMAGES_PER_PROMPT, DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGE_PIXELS
 from tidal.engine.core import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from tidal.model.checkpoint import LOAD_STRATEGIES
 from tidal.serve.app import DEFAULT_MAX_REQUEST_BYTES
 from tidal.units import parse_bytes, parse_count
 from tidal.serve.chat.effort import DEFAULT_EFFORT, REQUEST_EFFORTS, request_effort
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", "-q", default=None, choices=["mxfp4"],
                    help="routed experts kept packed in this format (default: the checkpoint's "
                         "quantization_config; mxfp4 packs a dense checkpoint's experts at load)")
+    p.add_argument("--safetensors-load-strategy", default="lazy", choices=LOAD_STRATEGIES,
+                   help="lazy: weights are private views of the memory-mapped checkpoint files (no copy); "
+                        "eager: every weight read into memory of its own (llama.cpp's --no-mmap)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda when available)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one worker process each")
     p.add_argument("--ep-size", type=int, default=1, help="expert-parallel groups among the TP ranks (tp %% ep == 0)")
@@ -222,13 +226,14 @@ def main(argv: list[str] | None = None) -> int:
         return run_node(str(model_dir), dtype, tp_size=args.tp_size, ep_size=args.ep_size, dcp_size=args.dcp_size,
                         nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
                         timeout_s=args.dist_timeout or DEFAULT_TIMEOUT_S, device=device,
-                        quantization=args.quantization)
+                        quantization=args.quantization, safetensors_load_strategy=args.safetensors_load_strategy)
     try:  # the port first: a port in use is an error before minutes of loading, not after
         sock = socket.create_server((args.host, args.port), reuse_port=False)
     except OSError as e:
         print(f"tidal serve: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 2
     llm_kwargs = dict(model=str(model_dir), dtype=dtype, device=device, quantization=args.quantization,
+                      safetensors_load_strategy=args.safetensors_load_strategy,
                       kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_model_len=args.max_model_len,
                       max_num_batched_tokens=args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
                       enable_prefix_caching=args.enable_prefix_caching,

@@ -111,6 +111,7 @@ def make_trainable(model: KimiForCausalLM, qat: bool = True) -> KimiForCausalLM:
         if type(module) is KimiDeltaAttention:
             module.__class__ = TrainableKDA
         if qat and isinstance(module, Experts):
+            module.in_model_order()
             for name in EXPERT_WEIGHTS:
                 parametrize.register_parametrization(module, name, FakeQuantizeMXFP4())
     return model
