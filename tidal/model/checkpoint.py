@@ -111,11 +111,25 @@ def checkpoint_prefix(config: ModelConfig) -> str:
     return K3_PREFIX if config.model_type == "kimi_k3" else ""
 
 
-@functools.lru_cache(maxsize=8)
-def _layout(config: ModelConfig) -> dict[str, tuple[TensorSpec, _Source]]:
-    """On-disk name -> (spec, source), in model order (experts of one weight stay together)."""
-    with torch.device("meta"):
-        model = KimiForCausalLM(config)
+_LAYOUTS: dict[ModelConfig, dict[str, tuple[TensorSpec, _Source]]] = {}
+
+
+def _layout(config: ModelConfig, model: KimiForCausalLM | None = None) -> dict[str, tuple[TensorSpec, _Source]]:
+    """On-disk name -> (spec, source), in model order (experts of one weight stay together); the
+    last few configs' are kept. ``model``: a meta KimiForCausalLM of ``config`` (any dtype, experts
+    dense) to read the names and shapes from, where the caller builds one anyway."""
+    out = _LAYOUTS.get(config)
+    if out is None:
+        if model is None:
+            with torch.device("meta"):
+                model = KimiForCausalLM(config)
+        if len(_LAYOUTS) >= 8:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        out = _LAYOUTS[config] = _layout_of(config, model)
+    return out
+
+
+def _layout_of(config: ModelConfig, model: KimiForCausalLM) -> dict[str, tuple[TensorSpec, _Source]]:
     disk = parse_dtype(config.torch_dtype)
     wide = compute_dtype(disk)
     keep_wide = K3_FP32_ON_DISK if config.model_type == "kimi_k3" else FP32_PARAMS
@@ -490,11 +504,12 @@ def load_model(
     every weight with ``use_mmap=False``, are read into memory of their own."""
     root = Path(model_dir)
     config = read_config(root)
-    layout = _layout(config)
     device = torch.device(device)
     keep_packed = quantization is not None and resolve_quantization(config, quantization) == "mxfp4"
     with torch.device("meta"):
-        model = KimiForCausalLM(config).to_dtype(dtype)
+        model = KimiForCausalLM(config)
+        layout = _layout(config, model)
+        model.to_dtype(dtype)
         if keep_packed:
             pack_experts(model)
     if keep_packed:

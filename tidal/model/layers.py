@@ -38,7 +38,12 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """A bias-free nn.Linear whose product goes through ``tidal.ops.dense`` (same state_dict)."""
+    """A bias-free nn.Linear whose product goes through ``tidal.ops.dense`` (same state_dict); on
+    the meta device (a model about to be loaded) it skips the random initialisation."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dense.linear(x, self.weight)
