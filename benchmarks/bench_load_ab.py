@@ -54,7 +54,9 @@ def main() -> None:
         t = time.perf_counter()
         subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
         cat = time.perf_counter() - t
-        print(f"round {r} ({'cold' if cold else 'warm: cannot drop the page cache'}): cat {size / cat / 1e9:.2f} GB/s")
+        load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+        print(f"round {r} ({'cold' if cold else 'warm: cannot drop the page cache'}): cat {size / cat / 1e9:.2f} GB/s"
+              f" (load average {load})", flush=True)
         for name, tree in trees.items():
             drop_caches()
             code = LOAD.format(tree=str(Path(tree).resolve()), ckpt=str(ckpt))

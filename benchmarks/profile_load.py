@@ -1,14 +1,15 @@
 """Where one load's time goes, in a fresh process after dropping the page cache (root), next to
 ``cat`` of the same files in the same command.
 
-    python benchmarks/profile_load.py CHECKPOINT_DIR [--strategy lazy eager] [--rounds 2]
+    python benchmarks/profile_load.py CHECKPOINT_DIR [--strategy lazy eager] [--rounds 2] [--tree NAME=PATH ...]
 
 Per load: wall seconds; thread-seconds and bytes in ``MappedFiles.populate`` (mapped weights:
 MADV_POPULATE_READ reads the file into the page cache and maps it) and in ``read_block`` (preadv
 into memory of the process's own, the first touch of each new page included); the main thread's
 remaining time (model build on the meta device, header checks, conversions, waiting on the
 readers); minor and major page faults; user and system CPU seconds. The reader threads overlap
-each other and the main thread, so the parts do not add up to the wall time.
+each other and the main thread, so the parts do not add up to the wall time. ``--tree``: profile
+other tidal checkouts too (default: this one), each after its own cat.
 """
 
 from __future__ import annotations
@@ -59,23 +60,25 @@ def main() -> None:
     ap.add_argument("checkpoint")
     ap.add_argument("--strategy", nargs="+", default=["lazy", "eager"], choices=["lazy", "eager"])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tree", action="append", default=None, help="NAME=PATH of a tidal checkout (repeat)")
     args = ap.parse_args()
+    trees = dict(t.split("=", 1) for t in args.tree) if args.tree else {"this": str(ROOT)}
     files = sorted(Path(args.checkpoint).glob("*.safetensors"))
     size = sum(f.stat().st_size for f in files)
     print(f"{size / 1e9:.2f} GB in {len(files)} file(s)")
     for r in range(args.rounds):
-        for strategy in args.strategy:
+        for (name, tree), strategy in ((t, s) for t in trees.items() for s in args.strategy):
             cold = drop_caches()
             t = time.perf_counter()
             subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
             cat = time.perf_counter() - t
             drop_caches()
-            code = PROFILE.format(root=str(ROOT), ckpt=str(Path(args.checkpoint).resolve()), mmap=strategy == "lazy")
+            code = PROFILE.format(root=str(Path(tree).resolve()), ckpt=str(Path(args.checkpoint).resolve()), mmap=strategy == "lazy")
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
             line = out.stdout.strip().splitlines()[-1]
             wall = float(line.split()[0])
             load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-            print(f"round {r} ({'cold' if cold else 'warm'}) cat {size / cat / 1e9:.2f} GB/s | {strategy}: "
+            print(f"round {r} ({'cold' if cold else 'warm'}) cat {size / cat / 1e9:.2f} GB/s | {name} {strategy}: "
                   f"{cat / wall:.2f} of cat, {line} | load average {load}", flush=True)
 
 
