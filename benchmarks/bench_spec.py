@@ -124,7 +124,7 @@ def main() -> None:
                           enable_linear_replayssm_spec=args.replay, **extra)
     cfg = next(iter(specs.values())).engine.spec.config
     print(f"embedded model, float32, {args.threads} thread(s), k={args.k}, rollback {cfg.rollback}, speculation "
-          f"backs off above {cfg.max_spec_batch} sequences; load average {os.getloadavg()[0]:.1f}")
+          f"{'adaptive (tidal.spec.policy)' if cfg.adaptive else 'always'}; load average {os.getloadavg()[0]:.1f}")
     print(f"{'workload':9} {'drafter':8} {'conc':>4} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} "
           f"{'accept len':>10} {'load':>5}")
     for work in args.workloads:

@@ -61,3 +61,34 @@ def test_bf16_rows_take_the_kernel_at_every_count(monkeypatch):
     for x in (torch.randn(2, 64).bfloat16(), torch.randn(20, 64).bfloat16(), torch.randn(2, 64)):
         torch.testing.assert_close(dense.linear(x, w.to(x.dtype)), F.linear(x, w.to(x.dtype)), rtol=2e-2, atol=2e-2)
     assert calls == [torch.Size([2, 64]), torch.Size([20, 64])]
+
+
+@pytest.mark.parametrize("rows", [2, 3, 5, 16, 17])
+def test_float32_few_rows_against_a_large_weight(rows):
+    """Few float32 rows times a large input-major weight (an LM head): every row equals its batch-1
+    product bitwise (they run row by row), and the result matches float64."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(dense.ROW_BY_ROW_MIN_WEIGHT // 128, 128, generator=gen).t().contiguous().t()  # input-major
+    x = torch.randn(rows, 128, generator=gen)
+    got = dense.linear(x, w)
+    ref = x.double() @ w.double().t()
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), ref, rtol=0, atol=1e-4)
+    alone = torch.cat([F.linear(x[i : i + 1], w) for i in range(rows)])
+    assert dense._row_by_row(x, w) == (rows <= dense.ROW_BY_ROW_MAX_ROWS)
+    if rows <= dense.ROW_BY_ROW_MAX_ROWS:
+        assert torch.equal(got, alone)
+    assert torch.equal(dense.linear(x[None], w)[0], got)  # leading dims are flattened the same way
+    assert not dense._row_by_row(x, w.contiguous())  # output-major: torch's product
+
+
+def test_float32_rows_times_a_bf16_weight(kernel):
+    """The DSPARK drafter's products: float32 rows, a bf16 weight, a float32 result from the C
+    kernel, matching float64; leading dims flattened."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 200, generator=gen)
+    w = torch.randn(70, 200, generator=gen).bfloat16()
+    got = dense.linear(x, w)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 70)
+    assert torch.equal(got.reshape(6, 70), kernel(x.reshape(6, 200), w))
+    ref = x.double() @ w.double().t()
+    assert torch.allclose(got.double(), ref, rtol=0, atol=1e-3)

@@ -122,10 +122,11 @@ class Recording(DsparkDrafter):
         self.__dict__.update(inner.__dict__)
         self.seen: dict[tuple[str, int], torch.Tensor] = {}
 
-    def observe(self, request_id, start, taps):
-        for i in range(taps.shape[0]):
-            self.seen[(request_id, start + i)] = taps[i].clone()
-        super().observe(request_id, start, taps)
+    def observe_many(self, items):
+        for request_id, start, taps in items:
+            for i in range(taps.shape[0]):
+                self.seen[(request_id, start + i)] = taps[i].clone()
+        super().observe_many(items)
 
 
 def test_drafter_sees_the_targets_taps_at_committed_positions(model, trained):
@@ -255,3 +256,65 @@ def test_shipped_drafter_belongs_to_the_shipped_model():
     check_target(cfg, target.config)
     assert cfg.target_fingerprint == target_fingerprint(target), "retrain: tidal train --drafter dspark"
     load_drafter(SHIPPED)
+
+
+def test_cached_context_proposes_the_reference_tokens(model):
+    """The serving drafter (context keys/values cached per request in a ring of ``window`` rows,
+    all requests drafted in one pass) against the uncached reference, with a fresh random drafter
+    (Markov head on): several steps, requests of different lengths (longer than the window: the
+    ring wraps), prompts handed over only partly (gaps), requests leaving and others taking their
+    cache slots; every proposal is the same tokens. A request that finds every slot taken gets no
+    draft, and a request that left leaves its slot free."""
+    from tidal.spec.dspark import DsparkReferenceDrafter
+
+    cfg = drafter_config(model, num_layers=2, window=8)
+    m = DsparkModel(cfg).init_weights(7)
+    with torch.no_grad():
+        m.markov_out.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(8))
+    fast, ref = DsparkDrafter(m, model, max_requests=3), DsparkReferenceDrafter(m, model)
+    rng = random.Random(3)
+    gen = torch.Generator().manual_seed(4)
+    width = len(TAPS) * model.config.hidden_size
+    tokens: dict[str, list[int]] = {}
+
+    def hand_over(items):
+        items = [(rid, start, torch.randn(n, width, generator=gen)) for rid, start, n in items]
+        fast.observe_many(items)
+        ref.observe_many(items)
+
+    def join(rid, length, seen):
+        tokens[rid] = [rng.randrange(model.config.vocab_size) for _ in range(length + 1)]
+        hand_over([(rid, length - seen, seen)])  # the prompt's last `seen` positions (a tap window)
+
+    join("a", 5, 5)
+    join("b", 23, 6)
+    proposed = compared = 0
+    for step in range(14):
+        if step == 3:
+            join("c", 11, 11)
+        if step == 5:
+            fast.forget("a"), ref.forget("a"), tokens.pop("a")
+            assert fast.cache.num_free == 1
+        if step == 6:
+            join("d", 2, 2)
+            assert fast.cache.num_free == 0
+        asks = [(rid, list(ids), rng.randint(1, BLOCK)) for rid, ids in tokens.items()]
+        got, want = fast.propose_many(asks), ref.propose_many(asks)
+        for (rid, _, k), g, w in zip(asks, got, want):
+            assert (g is None) == (w is None), (step, rid)
+            if g is not None:
+                assert g.tokens == w.tokens and len(g.tokens) == k, (step, rid, g.tokens, w.tokens)
+                compared += 1
+                proposed += len(set(g.tokens)) > 1
+        news = []
+        for rid, ids in tokens.items():  # each request commits 1..3 tokens: its positions n-1 .. are handed over
+            m_new = rng.randint(1, 3)
+            news.append((rid, len(ids) - 1, m_new))
+            ids += [rng.randrange(model.config.vocab_size) for _ in range(m_new)]
+        hand_over(news)
+    assert compared >= 35 and proposed > compared // 2
+    fast.observe_many([("e", 0, torch.randn(3, width, generator=gen))])  # every slot is taken
+    assert fast.propose("e", [1, 2, 3, 4], 2) is None and ref.propose("e", [1, 2, 3, 4], 2) is None
+    for rid in list(tokens):
+        fast.forget(rid)
+    assert fast.cache.num_free == 3 and bool((fast.cache.pos == -1).all())

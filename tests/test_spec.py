@@ -28,7 +28,7 @@ K = 4
 
 def spec_config(*args, **kw) -> SpeculativeConfig:
     """Speculation in every step, however many sequences it has (the tests batch many)."""
-    return SpeculativeConfig(*args, max_spec_batch=0, **kw)
+    return SpeculativeConfig(*args, **{"adaptive": False, **kw})
 METHODS = [False, True]  # enable_linear_replayssm_spec: block swap, checkpoint + replay
 
 

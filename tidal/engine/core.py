@@ -38,7 +38,7 @@ from tidal.ops import batch_invariant
 from tidal.plan import SNAPSHOT_KV_FRACTION, Plan, PoolLayout, plan_for_pool, plan_table
 from tidal.sampling_params import SamplingParams
 from tidal.spec.config import SpeculativeConfig
-from tidal.spec.decoder import SpecDecoder
+from tidal.spec.decoder import SpecDecoder, make_drafter
 
 logger = logging.getLogger("tidal.engine")
 
@@ -139,8 +139,16 @@ class EngineCore:
             pool_bytes = default_pool_bytes(model, self.device, config.mem_fraction_static)
             if self.encoder_cache is not None:
                 pool_bytes -= config.encoder_cache_bytes
-        # The planner's functions size the pool: what `tidal plan` prints is what the engine does.
         spec = config.speculative
+        drafter = None
+        if spec is not None:
+            # The drafter's own weights and per-request context (DSPARK's cache) take memory the
+            # pool would otherwise have.
+            drafter = make_drafter(spec, self.model_config.vocab_size, self.dtype, self.device,
+                                   target=model if worker is None else None, max_requests=config.max_running_requests)
+            if config.kv_cache_memory_bytes is None:
+                pool_bytes -= int(getattr(drafter, "nbytes", 0))
+        # The planner's functions size the pool: what `tidal plan` prints is what the engine does.
         # With the block swap a verifying request holds 1 + k state blocks (and k tokens of KV) for the
         # step: the plan's capacities count them (tidal.plan.layout.PoolLayout.state_blocks_per_request).
         spec_tokens = spec.num_draft_tokens if spec is not None and spec.rollback == "swap" else 0
@@ -183,7 +191,7 @@ class EngineCore:
         self.spec: SpecDecoder | None = None
         if config.speculative is not None:
             self.spec = SpecDecoder(config.speculative, self.pool, self.model_config, self.dtype, self.device,
-                                    target=model if worker is None else None)
+                                    drafter=drafter)
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None)
@@ -241,9 +249,11 @@ class EngineCore:
             cfg = self.spec.config
             blocks = self.spec.memory.extra_blocks(cfg.num_draft_tokens + 1)
             logger.debug("speculative decoding: %s, %d draft tokens, rollback %s: a chain holds %d extra state-sized "
-                         "block(s) (%.1f KiB) and %d KV tokens for its step; steps of more than %s sequences do not "
-                         "speculate", cfg.algorithm, cfg.num_draft_tokens, cfg.rollback, blocks,
-                         blocks * lay.block_bytes / 1024, cfg.num_draft_tokens, cfg.max_spec_batch or "any")
+                         "block(s) (%.1f KiB) and %d KV tokens for its step; the drafter holds %.1f MiB; steps "
+                         "speculate %s", cfg.algorithm, cfg.num_draft_tokens, cfg.rollback, blocks,
+                         blocks * lay.block_bytes / 1024, cfg.num_draft_tokens,
+                         getattr(self.spec.drafter, "nbytes", 0) / 2**20,
+                         "where measured faster per token" if cfg.adaptive else "always")
         logger.debug("plan:\n%s", plan_table(self.plan))
 
     @property
@@ -442,9 +452,13 @@ class EngineCore:
             self._steps_started += 1
             if self.faults is not None:
                 self.faults.before_step(self._steps_started, self.pool)
-            if self.spec is not None:
-                self.spec.extend(batch, self.config.max_num_batched_tokens - batch.num_tokens)
-            return self._run_step(batch)
+            if self.spec is None:
+                return self._run_step(batch)
+            start, tokens = time.perf_counter(), self._metrics.generation_tokens
+            self.spec.extend(batch, self.config.max_num_batched_tokens - batch.num_tokens)
+            outputs = self._run_step(batch)
+            self.spec.record_step(batch, time.perf_counter() - start, self._metrics.generation_tokens - tokens)
+            return outputs
         except Exception as e:
             raise self._fail_step(batch, e) from e
 
@@ -555,12 +569,15 @@ class EngineCore:
         assert self.spec is not None
         taps = self.worker.last_taps
         chains: dict[str, torch.Tensor] = {}
+        seen = []
         for b, first, count, start in rows.taps:
             rid = batch.requests[b].request_id
             if b in batch.drafts:
                 chains[rid] = taps[start : start + count]
             else:
-                self.spec.observe(rid, first, taps[start : start + count])
+                seen.append((rid, first, taps[start : start + count]))
+        if seen:
+            self.spec.observe(seen)
         return chains
 
     def _commit_chains(self, batch: ScheduledBatch, logits: StepLogits,

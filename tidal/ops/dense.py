@@ -1,9 +1,13 @@
 """``F.linear`` for the trunk's bias-free projections, behind one seam: float rows times a bfloat16
 weight on the CPU go to the C kernel (``csrc/bf16_gemm.c``: bf16 widened in registers, fp32 sums in
 register tiles; torch's bf16 matmul on CPUs without bf16 dot products runs at a fraction of its
-float32 speed, at one row and at many). Every row's result there is bitwise independent of the
+float32 speed, at one row and at many), and so do float32 rows times a bfloat16 weight (a float32
+result: a small model kept in bf16, like the DSPARK drafter, read at half the bytes). Every row's result there is bitwise independent of the
 other rows (one summation order at every row count), so the bf16 trunk is batch-invariant on the
-CPU. Everything else is torch's.
+CPU. A few float32 rows times a large input-major float32 weight (the LM head of a verified chain
+or a small decode batch) go one row at a time: the CPU BLAS packs the whole weight for a
+multi-row product but not for a row-vector one, so the rows' products cost that many batch-1
+products, and each row's result is the batch-1 result bit for bit. Everything else is torch's.
 """
 
 from __future__ import annotations
@@ -12,13 +16,29 @@ import torch
 import torch.nn.functional as F
 
 from tidal.ops import batch_invariant
-from tidal.ops.cpu_kernels import bf16_rows_kernel
+from tidal.ops.cpu_kernels import bf16_gemm_kernel, bf16_rows_kernel
+
+
+# A float32 product of at most this many rows against a weight of at least this many elements
+# runs row by row (see the module docstring).
+ROW_BY_ROW_MAX_ROWS = 16
+ROW_BY_ROW_MIN_WEIGHT = 1 << 20
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w.t() (w [N, K]) in x's dtype."""
     if batch_invariant.enabled():
         return batch_invariant.linear(x, w)
+    if x.dtype == torch.float32 and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2 \
+            and w.stride(1) == 1 and x.numel() and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        kernel = bf16_gemm_kernel()
+        if kernel is not None:  # float32 rows times a bf16 weight: float32 out, the weight read once
+            return kernel(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+        return F.linear(x, w.to(torch.float32))
+    if _row_by_row(x, w):
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.cat([F.linear(rows[i : i + 1], w) for i in range(rows.shape[0])])
+        return out.reshape(*x.shape[:-1], w.shape[0])
     if (w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2
             or w.stride(1) != 1 or x.numel() == 0
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
@@ -29,3 +49,14 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2:
         return kernel(x, w)
     return kernel(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+
+
+def _row_by_row(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if w.dtype != torch.float32 or x.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
+        return False
+    if w.stride(0) != 1 or w.numel() < ROW_BY_ROW_MIN_WEIGHT:  # input-major (inference_layout) only
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return False
+    rows = x.numel() // max(1, x.shape[-1])
+    return 2 <= rows <= ROW_BY_ROW_MAX_ROWS

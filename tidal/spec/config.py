@@ -7,10 +7,6 @@ from dataclasses import dataclass
 ALGORITHMS = ("NGRAM", "STANDALONE", "DSPARK")
 # Algorithms this build can run (the others are named so that asking for them gets a clear error).
 IMPLEMENTED = ("NGRAM", "STANDALONE", "DSPARK")
-# Up to this many sequences in a step a verified chain costs little more than a decode step; above
-# it the step is compute-bound and speculation backs off (benchmarks/bench_spec.py on the CPU:
-# chains at 8 sequences were slower than plain decoding).
-DEFAULT_MAX_SPEC_BATCH = 4
 
 
 @dataclass
@@ -29,8 +25,11 @@ class SpeculativeConfig:
     # NGRAM: the longest and shortest suffix looked up in the request's own tokens.
     ngram_max_match: int = 4
     ngram_min_match: int = 1
-    # Speculate only in steps with at most this many sequences (0: never back off).
-    max_spec_batch: int = DEFAULT_MAX_SPEC_BATCH
+    # Speculate only in steps with at most this many sequences (0: no fixed limit).
+    max_spec_batch: int = 0
+    # Decide from measured costs whether a step speculates (tidal.spec.policy: seconds per
+    # committed token with and without chains, per batch size); False: always, where drafts exist.
+    adaptive: bool = True
     # A request whose recent drafts are mostly rejected (running acceptance below this) stops
     # drafting for a while, then probes again: a chain that is rejected costs more than a decode.
     min_accept_rate: float = 0.25

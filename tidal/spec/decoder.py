@@ -2,8 +2,10 @@
 
 1. After the scheduler built the step, :meth:`SpecDecoder.extend` turns plain decodes into
    chains (the last committed token + up to k drafted tokens) where the drafter has a guess and
-   the chain's extra memory is available now (free or evictable cache memory); a step of more than ``max_spec_batch`` sequences stays
-   plain (it is compute-bound: a chain no longer costs about one decode).
+   the chain's extra memory is available now (free or evictable cache memory), in the steps the
+   cost policy picks (:mod:`tidal.spec.policy`: where chains commit tokens faster than plain
+   decoding, measured per batch size; the engine reports each step's time with
+   :meth:`SpecDecoder.record_step`).
 2. The step plan carries each chain's state slots (:meth:`ChainMemory.slots`); the worker's
    runner runs chains with the decode numerics (:mod:`tidal.spec.verify`) beside the
    step's decodes and prefills, and returns every chain position's logits.
@@ -24,8 +26,9 @@ from tidal.engine.request import Request
 from tidal.engine.sampler import SampleResult, SampleRow
 from tidal.spec.accept import accept_chain, chain_rows
 from tidal.spec.config import SpeculativeConfig
-from tidal.spec.drafter import Draft, Drafter, NgramDrafter
+from tidal.spec.drafter import Draft, Drafter, NgramDrafter, propose_all
 from tidal.spec.metrics import SpecMetrics
+from tidal.spec.policy import CostPolicy
 from tidal.spec.rollback import ChainMemory
 
 
@@ -34,8 +37,9 @@ PROBE_STEP = 0.02  # rate added per step a request backs off (about 10 steps fro
 
 
 def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype, device: torch.device,
-                 target: torch.nn.Module | None = None) -> Drafter:
-    """``target``: the target model in this process (DSPARK shares its embedding and LM head)."""
+                 target: torch.nn.Module | None = None, max_requests: int | None = None) -> Drafter:
+    """``target``: the target model in this process (DSPARK shares its embedding and LM head);
+    ``max_requests``: how many requests at once a drafter keeps context for (DSPARK's cache)."""
     if config.algorithm == "NGRAM":
         return NgramDrafter(config.ngram_max_match, config.ngram_min_match)
     if config.algorithm == "STANDALONE":
@@ -44,14 +48,20 @@ def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
         assert config.draft_model_path is not None
         return StandaloneDrafter.from_path(config.draft_model_path, vocab_size, dtype, device)
     if config.algorithm == "DSPARK":
-        from tidal.spec.dspark import DsparkDrafter
+        from tidal.spec.dspark import DEFAULT_CONTEXT_REQUESTS, DsparkDrafter
 
         assert config.draft_model_path is not None
         if target is None or next(target.parameters()).device.type == "meta":
             raise ValueError("speculative_algorithm DSPARK needs the target model in the engine's process "
                              "(tp_size, ep_size and dcp_size 1)")
-        return DsparkDrafter.from_path(config.draft_model_path, target, config.num_draft_tokens)
+        return DsparkDrafter.from_path(config.draft_model_path, target, config.num_draft_tokens,
+                                       max_requests or DEFAULT_CONTEXT_REQUESTS)
     raise ValueError(f"speculative_algorithm {config.algorithm} is not implemented")
+
+
+def decoding_count(batch) -> int:
+    """The step's sequences that decode (one new token, or a chain)."""
+    return sum(1 for b, n in enumerate(batch.query_lens) if n == 1 or b in batch.drafts)
 
 
 class SpecDecoder:
@@ -68,6 +78,7 @@ class SpecDecoder:
         self.tap_window: int = int(getattr(self.drafter, "tap_window", 0)) if self.tap_layers else 0
         self.memory = ChainMemory(pool, model_config, config.rollback)
         self.metrics = SpecMetrics(config.num_draft_tokens)
+        self.policy = CostPolicy() if config.adaptive else None
         # request id -> running acceptance of its chains (1.0 until it has one); below
         # config.min_accept_rate the request decodes plainly, the rate creeping back up each step.
         self._rate: dict[str, float] = {}
@@ -78,6 +89,9 @@ class SpecDecoder:
         cfg = self.config
         if cfg.max_spec_batch and len(batch.requests) > cfg.max_spec_batch:
             return
+        if self.policy is not None and not self.policy.speculate(decoding_count(batch)):
+            return
+        asks, where = [], []
         for i, (req, n, c) in enumerate(zip(batch.requests, batch.query_lens, batch.cached_lens)):
             if budget <= 0:
                 break
@@ -90,7 +104,11 @@ class SpecDecoder:
             if rate < cfg.min_accept_rate:  # backing off: probe again once the rate has crept up
                 self._rate[req.request_id] = rate + PROBE_STEP
                 continue
-            draft = self.drafter.propose(req.request_id, req.token_ids, k)
+            asks.append((req.request_id, req.token_ids, k))
+            where.append((i, req, c, k))
+            budget -= k
+        drafts = propose_all(self.drafter, asks) if asks else []
+        for (i, req, c, k), draft in zip(where, drafts):
             if draft is None or not draft.tokens:
                 continue
             tokens = draft.tokens[:k]
@@ -101,9 +119,15 @@ class SpecDecoder:
             probs = draft.probs[: len(tokens)] if draft.probs is not None else None
             batch.drafts[i] = Draft(tokens, probs)
             batch.query_lens[i] = 1 + len(tokens)
-            budget -= len(tokens)
         if batch.drafts:
             batch.chain_memory = self.memory
+
+    def record_step(self, batch, seconds: float, tokens: int) -> None:
+        """The engine's measurement of a step (``seconds`` from before :meth:`extend` to its
+        tokens committed): only steps without prefill work inform the policy."""
+        if self.policy is None or any(n > 1 for b, n in enumerate(batch.query_lens) if b not in batch.drafts):
+            return
+        self.policy.record(decoding_count(batch), bool(batch.drafts), seconds, tokens)
 
     def accept(self, req: Request, draft: Draft, logits: torch.Tensor) -> list[SampleResult]:
         """The committed tokens of ``req``'s chain (logits [m, V] of its positions)."""
@@ -114,9 +138,15 @@ class SpecDecoder:
                           p.min_tokens)
         return accept_chain(logits, draft.tokens, draft.probs, rows)
 
-    def observe(self, request_id: str, start: int, taps: torch.Tensor) -> None:
-        """Hand the drafter the target's tapped hidden states of committed positions start .. ."""
-        self.drafter.observe(request_id, start, taps)  # type: ignore[attr-defined]
+    def observe(self, items: list[tuple[str, int, torch.Tensor]]) -> None:
+        """Hand the drafter the target's tapped hidden states of committed positions: (request id,
+        first position, rows) per request, in one call where the drafter batches them."""
+        many = getattr(self.drafter, "observe_many", None)
+        if many is not None:
+            many(items)
+            return
+        for item in items:
+            self.drafter.observe(*item)  # type: ignore[attr-defined]
 
     def commit(self, chains: list[tuple[Request, int, int, int, int]],
                taps: dict[str, torch.Tensor] | None = None) -> None:
@@ -125,9 +155,8 @@ class SpecDecoder:
         the pages of its tokens; the metrics count the chain. ``taps`` (request id -> tapped hidden
         states of every chain position): the drafter sees only the committed positions' rows."""
         if taps:
-            for req, cached, _, _, appended in chains:
-                if req.request_id in taps:
-                    self.observe(req.request_id, cached, taps[req.request_id][:appended])
+            self.observe([(req.request_id, cached, taps[req.request_id][:appended])
+                          for req, cached, _, _, appended in chains if req.request_id in taps])
         self.memory.commit({req.request_id: appended - 1 for req, _, _, _, appended in chains})
         for req, cached, drafted, accepted, appended in chains:
             req.num_computed_tokens = cached + appended

@@ -27,6 +27,15 @@ class Drafter(Protocol):
         ...
 
 
+def propose_all(drafter: Drafter, asks: Sequence[tuple[str, Sequence[int], int]]) -> list[Draft | None]:
+    """The drafts for several (request, its tokens, drafts wanted): in one call where the drafter
+    batches them (``propose_many``), else one request at a time."""
+    many = getattr(drafter, "propose_many", None)
+    if many is not None:
+        return many(asks)
+    return [drafter.propose(*ask) for ask in asks]
+
+
 @dataclass
 class _Index:
     """Latest end of every n-gram of one request: ``ends[m][gram] = e`` with token_ids[e-m:e] ==

@@ -15,6 +15,8 @@ logits, and the drafts are its argmax left to right (q one-hot: rejection sampli
 State across rollback: the drafter only ever sees hidden states of committed tokens (the
 speculation loop feeds it the accepted prefix of a verified chain, never a rejected position), so
 a rejection needs no undo; a position seen twice (a preempted request recomputed) is overwritten.
+The serving drafter keeps every draft layer's context keys/values per request
+(:mod:`tidal.spec.dspark_cache`) and drafts all requests' blocks in one pass.
 
 Files: ``dspark_config.json`` (:class:`DsparkConfig`) and ``model.safetensors`` (the drafter's own
 weights); ``target_fingerprint`` identifies the target it was trained on.
@@ -34,7 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.model.layers import rms_norm
+from tidal.model.layers import derived_weight, rms_norm
+from tidal.ops import dense
+from tidal.spec.dspark_cache import DraftContextCache
 from tidal.spec.drafter import Draft
 
 logger = logging.getLogger(__name__)
@@ -111,14 +115,36 @@ def check_target(cfg: DsparkConfig, target_config, where: str = "the DSPARK draf
                          f"{cfg.block_size}, window {cfg.window}")
 
 
-def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (rotate-half) of x [..., T, H, D] at integer positions pos [..., T]."""
-    d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+def rope_angles(pos: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [..., T, 1, dim/2] of integer positions pos [..., T] (shared by every layer)."""
+    inv = theta ** (-torch.arange(0, dim, 2, dtype=torch.float32, device=pos.device) / dim)
     ang = pos.to(torch.float32)[..., None] * inv  # [..., T, D/2]
-    cos, sin = ang.cos()[..., None, :], ang.sin()[..., None, :]
+    return ang.cos()[..., None, :], ang.sin()[..., None, :]
+
+
+def apply_rope(x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotary embedding (rotate-half) of x [..., T, H, D] with :func:`rope_angles`."""
+    cos, sin = angles
+    d = x.shape[-1]
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half) of x [..., T, H, D] at integer positions pos [..., T]."""
+    return apply_rope(x, rope_angles(pos, x.shape[-1], theta))
+
+
+def project(owner: nn.Module, x: torch.Tensor, name: str, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """x through each of ``linears``. When serving (inference mode), one product against their
+    concatenated weight in bfloat16 (the file's precision: ``save_drafter`` writes bf16), kept on
+    ``owner`` until a weight changes; when training, each float32 Linear."""
+    if not torch.is_inference_mode_enabled():
+        return tuple(lin(x) for lin in linears)
+    weights = tuple(lin.weight for lin in linears)
+    w = derived_weight(owner, name, weights, lambda: torch.cat(weights).to(torch.bfloat16).contiguous())
+    y = dense.linear(x, w)
+    return y.split([lin.out_features for lin in linears], dim=-1) if len(linears) > 1 else (y,)
 
 
 class DraftLayer(nn.Module):
@@ -143,19 +169,39 @@ class DraftLayer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [B, K, d] block, ctx [B, W, d] context vectors, pos [B, W + K] positions of (context,
         block), mask [B, 1, K, W + K] True where a slot may attend."""
+        W = ctx.shape[1]
+        k, v = self.context_kv(ctx, rope_angles(pos[:, :W], self.cfg.head_dim, self.cfg.rope_theta))
+        return self.attend(x, rope_angles(pos[:, W:], self.cfg.head_dim, self.cfg.rope_theta), k, v, mask)
+
+    def context_kv(self, ctx: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values [..., W, H, D] of context vectors ctx [..., W, d] (rotated by their
+        positions' ``angles``): a context position's are the same in every block that attends to it."""
+        cfg = self.cfg
+        shape = (*ctx.shape[:-1], cfg.num_heads, cfg.head_dim)
+        k, v = project(self, ctx, "_kv", self.k_proj, self.v_proj)
+        k = apply_rope(rms_norm(k.reshape(shape), self.k_norm, cfg.rms_norm_eps), angles)
+        return k, v.reshape(shape)
+
+    def attend(self, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor], ctx_k: torch.Tensor,
+               ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The layer on block x [B, K, d] (rotated by the block positions' ``angles``) attending to
+        the context's keys/values [B, W, H, D] and the block's own; mask [B, 1, K, W + K]."""
         cfg = self.cfg
         B, K, _ = x.shape
         hn = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        kv_in = torch.cat([ctx, hn], dim=1)
-        q = self.q_proj(hn).view(B, K, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(kv_in).view(B, kv_in.shape[1], cfg.num_heads, cfg.head_dim)
-        v = self.v_proj(kv_in).view(B, kv_in.shape[1], cfg.num_heads, cfg.head_dim)
-        q = rope(rms_norm(q, self.q_norm, cfg.rms_norm_eps), pos[:, -K:], cfg.rope_theta)
-        k = rope(rms_norm(k, self.k_norm, cfg.rms_norm_eps), pos, cfg.rope_theta)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-        x = x + self.o_proj(o.transpose(1, 2).reshape(B, K, -1))
-        gate, up = self.gate_up(rms_norm(x, self.post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        q, k, v = project(self, hn, "_qkv", self.q_proj, self.k_proj, self.v_proj)
+        shape = (B, K, cfg.num_heads, cfg.head_dim)
+        q = apply_rope(rms_norm(q.reshape(shape), self.q_norm, cfg.rms_norm_eps), angles)
+        k = apply_rope(rms_norm(k.reshape(shape), self.k_norm, cfg.rms_norm_eps), angles)
+        keys, values = torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v.reshape(shape)], dim=1)
+        scores = q.transpose(1, 2) @ keys.permute(0, 2, 3, 1) * cfg.head_dim ** -0.5  # [B, H, K, W + K]
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        o = (probs @ values.transpose(1, 2)).transpose(1, 2).reshape(B, K, -1)
+        (o,) = project(self, o, "_o", self.o_proj)
+        x = x + o
+        gate, up = project(self, rms_norm(x, self.post_norm, cfg.rms_norm_eps), "_gate_up", self.gate_up)[0].chunk(2, dim=-1)
+        (down,) = project(self, F.silu(gate) * up, "_down", self.down)
+        return x + down
 
 
 class DsparkModel(nn.Module):
@@ -189,7 +235,7 @@ class DsparkModel(nn.Module):
 
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """Tapped target hidden states [..., n_taps * d] -> context vectors [..., d]."""
-        return rms_norm(self.fc(taps), self.context_norm, self.cfg.rms_norm_eps)
+        return rms_norm(project(self, taps, "_fc", self.fc)[0], self.context_norm, self.cfg.rms_norm_eps)
 
     def forward(self, ctx: torch.Tensor, ctx_pos: torch.Tensor, ctx_valid: torch.Tensor, anchor: torch.Tensor,
                 anchor_pos: torch.Tensor, block: int) -> torch.Tensor:
@@ -204,6 +250,21 @@ class DsparkModel(nn.Module):
         mask = mask[:, None]
         for layer in self.layers:
             x = layer(x, ctx, pos, mask)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def forward_cached(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, block: int,
+                       ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], ctx_valid: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` with every layer's context keys/values given (``ctx_kv``: per layer
+        [B, W, H, D] pairs from :meth:`DraftLayer.context_kv`; ctx_valid [B, W] bool)."""
+        B, d = anchor.shape
+        x = torch.cat([anchor[:, None, :], self.mask_embedding.expand(B, block - 1, d)], dim=1)
+        slots = torch.arange(block, device=anchor.device)
+        angles = rope_angles(anchor_pos[:, None] + slots, self.cfg.head_dim, self.cfg.rope_theta)
+        causal = slots[None, :] <= slots[:, None]
+        W = ctx_valid.shape[1]
+        mask = torch.cat([ctx_valid[:, None, :].expand(B, block, W), causal.expand(B, block, block)], dim=2)[:, None]
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer.attend(x, angles, k, v, mask)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def markov_bias(self, prev: torch.Tensor) -> torch.Tensor | float:
@@ -252,18 +313,28 @@ def load_drafter(path: str | Path, device: torch.device | str = "cpu", target_co
     return model.to(device).eval()
 
 
-@dataclass
-class _Context:
-    """One request's context vectors by position (``have`` marks the positions seen)."""
+def serving_bytes(cfg: DsparkConfig, max_requests: int) -> int:
+    """A serving drafter's memory: its float32 weights, their bfloat16 copies (:func:`project`),
+    the bf16 copy of the target's LM head, and the context cache of ``max_requests`` requests."""
+    model = DsparkModel(cfg).to("meta")
+    weights = sum(p.numel() for p in model.parameters()) * 4
+    copies = sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "markov_out")
+    return weights + 2 * copies + 2 * cfg.vocab_size * cfg.hidden_size + DraftContextCache.bytes_for(
+        cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.window, max_requests, len(cfg.tap_layers) * cfg.hidden_size)
 
-    vectors: torch.Tensor
-    have: torch.Tensor
+
+# Request slots of the context cache when the engine sets no max_running_requests.
+DEFAULT_CONTEXT_REQUESTS = 64
 
 
 class DsparkDrafter:
-    """The speculation loop's DSPARK drafter: context from the target's taps, one pass per block."""
+    """The speculation loop's DSPARK drafter. Each draft layer's context keys/values are computed
+    once, when the target hands a committed position over (:meth:`observe_many`: one pass over
+    the step's new positions of every request), and kept per request (:class:`DraftContextCache`);
+    :meth:`propose_many` drafts the blocks of every speculating request in one pass over the
+    block slots only. :class:`DsparkReferenceDrafter` computes the same proposals uncached."""
 
-    def __init__(self, model: DsparkModel, target: nn.Module) -> None:
+    def __init__(self, model: DsparkModel, target: nn.Module, max_requests: int = DEFAULT_CONTEXT_REQUESTS) -> None:
         cfg = model.cfg
         check_target(cfg, target.config)
         fp = target_fingerprint(target)
@@ -274,49 +345,161 @@ class DsparkDrafter:
         self.device = next(model.parameters()).device
         self.tap_layers = tuple(cfg.tap_layers)
         self.tap_window = cfg.window
-        self._ctx: dict[str, _Context] = {}
+        self.cache = DraftContextCache(cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.window, max_requests,
+                                       len(cfg.tap_layers) * cfg.hidden_size, self.device)
 
     @classmethod
-    def from_path(cls, path: str, target: nn.Module, block_size: int) -> "DsparkDrafter":
+    def from_path(cls, path: str, target: nn.Module, block_size: int,
+                  max_requests: int = DEFAULT_CONTEXT_REQUESTS) -> "DsparkDrafter":
         model = load_drafter(path, next(target.parameters()).device, target.config)
         if block_size > model.cfg.block_size:
             raise ValueError(f"speculative_dspark_block_size {block_size} exceeds the drafter's trained block size "
                              f"{model.cfg.block_size} ({path})")
-        return cls(model, target)
+        return cls(model, target, max_requests)
 
-    @torch.inference_mode()
+    @staticmethod
+    def memory_bytes(path: str, max_requests: int = DEFAULT_CONTEXT_REQUESTS) -> int:
+        """What the drafter at ``path`` holds when serving (see :func:`serving_bytes`)."""
+        return serving_bytes(DsparkConfig.read(path), max_requests)
+
+    @property
+    def nbytes(self) -> int:
+        return serving_bytes(self.cfg, self.cache.max_requests)
+
     def observe(self, request_id: str, start: int, taps: torch.Tensor) -> None:
         """The target's tapped hidden states [R, n_taps * d] of committed positions start .. start+R-1."""
-        if taps.shape[0] == 0:
-            return
-        c = self.model.context(taps.to(self.device, torch.float32))
-        end = start + c.shape[0]
-        st = self._ctx.get(request_id)
-        if st is None or st.vectors.shape[0] < end:
-            cap = max(end, 2 * (st.vectors.shape[0] if st else 64))
-            grown = _Context(torch.zeros(cap, c.shape[1], device=self.device),
-                             torch.zeros(cap, dtype=torch.bool, device=self.device))
-            if st is not None:
-                n = st.vectors.shape[0]
-                grown.vectors[:n], grown.have[:n] = st.vectors, st.have
-            st = self._ctx[request_id] = grown
-        st.vectors[start:end] = c
-        st.have[start:end] = True
+        self.observe_many([(request_id, start, taps)])
+
+    @torch.inference_mode()
+    def observe_many(self, items: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+        """:meth:`observe` for several requests (each at most once): the rows are kept, their keys
+        and values computed when the request next drafts. Only a request's last ``window``
+        positions can be attended to, so earlier ones are not kept; a request that finds every
+        cache slot taken keeps no context (it does not speculate)."""
+        W = self.cfg.window
+        rows, slots, positions = [], [], []
+        for request_id, start, taps in items:
+            n = taps.shape[0]
+            slot = self.cache.slot(request_id, create=True) if n else None
+            if slot is None:
+                continue
+            keep = min(n, W)
+            rows.append(taps[n - keep :])
+            slots += [slot] * keep
+            positions += range(start + n - keep, start + n)
+        if rows:
+            self.cache.stage(torch.tensor(slots, dtype=torch.long, device=self.device),
+                             torch.tensor(positions, dtype=torch.long, device=self.device),
+                             torch.cat(rows).to(self.device, torch.float32))
+
+    def _project(self, slots: torch.Tensor) -> None:
+        """Compute the keys/values of the handed-over positions of ``slots`` not computed yet."""
+        rows, pos, taps = self.cache.pending(slots)
+        if rows.numel():
+            ctx = self.model.context(taps)
+            angles = rope_angles(pos, self.cfg.head_dim, self.cfg.rope_theta)
+            self.cache.write(rows, [layer.context_kv(ctx, angles) for layer in self.model.layers])
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.target.model.embed_tokens(ids).to(torch.float32)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(h.to(self.target.dtype)).to(torch.float32)
+        """The target's LM head on draft states, read in bfloat16 (a copy kept beside a wider target's)."""
+        w = self.target.lm_head.weight
+        if w.device.type != "cpu" or w.dim() != 2:
+            return self.target.compute_logits(h.to(self.target.dtype)).to(torch.float32)
+        head = derived_weight(self, "_lm_head", (w,), lambda: w.detach().to(torch.bfloat16).contiguous())
+        return dense.linear(h.to(torch.float32), head)
+
+    def propose(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> Draft | None:
+        return self.propose_many([(request_id, token_ids, num_tokens)])[0]
 
     @torch.inference_mode()
-    def propose(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> Draft | None:
+    def propose_many(self, asks: Sequence[tuple[str, Sequence[int], int]]) -> list[Draft | None]:
+        """A block for each (request, its tokens, drafts wanted), all in one pass; None where a
+        request has no context yet. Every request runs the largest block asked for: the slots are
+        causal, so a request's first tokens are those of its own block size."""
+        out: list[Draft | None] = [None] * len(asks)
+        live = [(i, slot, len(ids), min(k, self.cfg.block_size), int(ids[-1])) for i, (rid, ids, k) in enumerate(asks)
+                if len(ids) >= 2 and k >= 1 and (slot := self.cache.slot(rid)) is not None]
+        if not live:
+            return out
+        dev, W = self.device, self.cfg.window
+        slots = torch.tensor([x[1] for x in live], dtype=torch.long, device=dev)
+        anchor_pos = torch.tensor([x[2] - 1 for x in live], dtype=torch.long, device=dev)
+        self._project(slots)
+        kv, pos = self.cache.gather(slots)
+        # Context: the committed positions max(0, n-1-W) .. n-2 that the cache holds.
+        valid = (pos >= (anchor_pos - W).clamp(min=0)[:, None]) & (pos < anchor_pos[:, None])
+        has = valid.any(dim=1)
+        if not bool(has.all()):
+            keep = has.nonzero().flatten()
+            live = [live[j] for j in keep.tolist()]
+            if not live:
+                return out
+            kv, valid, anchor_pos = [(k[keep], v[keep]) for k, v in kv], valid[keep], anchor_pos[keep]
+        block = max(x[3] for x in live)
+        prev = torch.tensor([x[4] for x in live], dtype=torch.long, device=dev)
+        h = self.model.forward_cached(self._embed(prev), anchor_pos, block, kv, valid)
+        base = self._logits(h.reshape(-1, h.shape[-1])).view(len(live), block, -1)
+        drafted = []
+        for j in range(block):  # the Markov head: each slot's bias comes from the previous draft
+            prev = (base[:, j] + self.model.markov_bias(prev)).argmax(dim=-1)
+            drafted.append(prev)
+        for (i, _, _, k, _), tokens in zip(live, torch.stack(drafted, dim=1).tolist()):
+            out[i] = Draft(tokens[:k])
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self.cache.release(request_id)
+
+
+@dataclass
+class _Context:
+    """One request's context vectors by position (``have`` marks the positions seen)."""
+
+    vectors: torch.Tensor
+    have: torch.Tensor
+
+
+class DsparkReferenceDrafter(DsparkDrafter):
+    """The uncached reference of :class:`DsparkDrafter` (tests compare them): each request keeps
+    its context vectors by position, and every proposal runs the whole drafter over its window of
+    context and its block, one request at a time."""
+
+    def __init__(self, model: DsparkModel, target: nn.Module) -> None:
+        super().__init__(model, target, max_requests=1)
+        self._ctx: dict[str, _Context] = {}
+
+    @torch.inference_mode()
+    def observe_many(self, items: Sequence[tuple[str, int, torch.Tensor]]) -> None:
+        for request_id, start, taps in items:
+            if taps.shape[0] == 0:
+                continue
+            c = self.model.context(taps.to(self.device, torch.float32))
+            end = start + c.shape[0]
+            st = self._ctx.get(request_id)
+            if st is None or st.vectors.shape[0] < end:
+                cap = max(end, 2 * (st.vectors.shape[0] if st else 64))
+                grown = _Context(torch.zeros(cap, c.shape[1], device=self.device),
+                                 torch.zeros(cap, dtype=torch.bool, device=self.device))
+                if st is not None:
+                    n = st.vectors.shape[0]
+                    grown.vectors[:n], grown.have[:n] = st.vectors, st.have
+                st = self._ctx[request_id] = grown
+            st.vectors[start:end] = c
+            st.have[start:end] = True
+
+    @torch.inference_mode()
+    def propose_many(self, asks: Sequence[tuple[str, Sequence[int], int]]) -> list[Draft | None]:
+        return [self._propose(*ask) for ask in asks]
+
+    def _propose(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> Draft | None:
         n, W = len(token_ids), self.cfg.window
         st = self._ctx.get(request_id)
         if st is None or n < 2 or num_tokens < 1:
             return None
         lo, hi = max(0, n - 1 - W), min(n - 1, st.vectors.shape[0])  # context: committed positions < n-1
-        st.have[n - 1:] = False  # nothing at or past the anchor is committed-and-seen (a request rewound)
         if hi <= lo or not bool(st.have[lo:hi].any()):
             return None
         k = min(num_tokens, self.cfg.block_size)

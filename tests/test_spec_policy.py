@@ -1,0 +1,141 @@
+"""The speculation cost policy (tidal.spec.policy): replayed on step costs recorded from the
+embedded model (tests/data/spec_step_costs.json, benchmarks/record_spec_steps.py), it commits
+tokens within a few percent of the better of always / never speculating at every concurrency
+(so at 32 sequences, where verifying chains is slower, it decodes plainly but for its probes);
+and greedy output is unchanged when the policy switches a request between chains and plain
+decoding mid-request."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tidal import SamplingParams
+from tidal.model.init import init_weights
+from tidal.model.kimi import KimiForCausalLM
+from tidal.presets import tiny_k3
+from tidal.spec.policy import CostPolicy, bucket_of
+
+from test_engine import drive, one_thread, random_prompts  # noqa: F401 - one_thread: autouse
+from test_spec import make_engine, outputs, spec_config
+
+RECORDED = Path(__file__).parent / "data" / "spec_step_costs.json"
+
+
+def recorded_pairs():
+    runs = json.loads(RECORDED.read_text())["runs"]
+    pairs = {}
+    for r in runs:
+        pairs.setdefault((r["algorithm"], r["concurrency"]), {})[r["speculate"]] = r["steps"]
+    return pairs
+
+
+def per_token(steps) -> float:
+    return sum(s[2] for s in steps) / sum(s[3] for s in steps)
+
+
+def test_bucket_of():
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 64]
+
+
+def test_the_recording_has_both_sides():
+    """At one concurrency speculation is the faster choice, at another plain decoding is: the
+    replay below tests both directions of the decision."""
+    pairs = recorded_pairs()
+    wins = {per_token(p[True]) < per_token(p[False]) for p in pairs.values()}
+    assert wins == {True, False}, {k: (per_token(p[True]), per_token(p[False])) for k, p in pairs.items()}
+
+
+@pytest.mark.parametrize("key", sorted(recorded_pairs()))
+def test_replayed_costs_are_near_the_better_choice(key):
+    """The policy decides 300 steps; each step costs the next recorded step of the choice it made
+    (in recorded order, cycling). Its seconds per token are within 10% of the better choice's, and
+    it takes the worse choice only for its exploration and (fading) probes."""
+    pair = recorded_pairs()[key]
+    policy = CostPolicy()
+    cursor = {True: 0, False: 0}
+    seconds = tokens = 0.0
+    chose = {True: 0, False: 0}
+    steps = 300
+    for _ in range(steps):
+        num_decodes = pair[True][0][0]
+        choice = policy.speculate(num_decodes)
+        rec = pair[choice][cursor[choice] % len(pair[choice])]
+        cursor[choice] += 1
+        chose[choice] += 1
+        policy.record(num_decodes, choice, rec[2], rec[3])
+        seconds += rec[2]
+        tokens += rec[3]
+    spec, plain = per_token(pair[True]), per_token(pair[False])
+    better = spec < plain
+    assert seconds / tokens <= min(spec, plain) * 1.10, (key, seconds / tokens, spec, plain)
+    if max(spec, plain) > 1.5 * min(spec, plain):  # far apart: the worse only for exploring and probes
+        assert chose[not better] <= 20, (key, chose)
+
+
+def feed(policy, num_decodes, costs, steps):
+    """``steps`` decisions, each recorded at costs[choice] seconds per token; the choices made."""
+    got = []
+    for _ in range(steps):
+        c = policy.speculate(num_decodes)
+        policy.record(num_decodes, c, costs[c] * num_decodes, num_decodes)
+        got.append(c)
+    return got
+
+
+def test_explores_alternating_then_probes_the_loser_as_rarely_as_it_loses():
+    policy = CostPolicy(min_samples=2, probe_every=4, probe_overhead=0.5)
+    got = feed(policy, 1, {True: 0.004, False: 0.020}, 40)  # chains 5x cheaper per token
+    assert got[:4] == [True, False, True, False]
+    # Winner known at step 5; the loser (plain) loses by 5x: a probe every (5 - 1) / 0.5 = 8 steps.
+    assert [i + 1 for i, c in enumerate(got) if not c][2:] == [13, 21, 29, 37]
+    assert policy.speculate(32) is True  # another bucket explores on its own
+    policy = CostPolicy(min_samples=2, probe_every=4, probe_overhead=0.5)
+    got = feed(policy, 1, {True: 0.011, False: 0.010}, 40)  # close: probes every probe_every steps
+    assert [i + 1 for i, c in enumerate(got) if c][2:] == [9, 13, 17, 21, 25, 29, 33, 37]
+    assert policy.speculate(32) is False  # chains lost at 1: not tried first at 32
+
+
+def test_a_probe_that_wins_switches():
+    policy = CostPolicy(min_samples=1, window=1, probe_every=2, probe_overhead=1.5)
+    assert feed(policy, 1, {True: 0.05, False: 0.02}, 2) == [True, False]  # chains lose by 2.5x
+    assert policy.speculate(1) is False  # step 3
+    assert policy.speculate(1) is False  # step 4
+    assert policy.speculate(1) is True  # step 5: the probe, (2.5 - 1) / 1.5 = 1 -> probe_every steps on
+    policy.record(1, True, 0.01, 1)  # now chains are faster: the winner changes
+    assert policy.speculate(1) is True
+
+
+def test_no_first_try_above_a_bucket_where_speculation_lost():
+    policy = CostPolicy(min_samples=1, probe_overhead=0.5, probe_every=1)
+    assert feed(policy, 8, {True: 0.03, False: 0.01}, 2) == [True, False]  # chains lose by 3x at 8
+    # At 32: plain first (step 1), then chains only as probes, (3 - 1) / 0.5 = 4 steps apart while
+    # only the loss at 8 is known (steps 6 and 10), then (5 - 1) / 0.5 = 8 (at 32 they lose by 5x).
+    got = feed(policy, 32, {True: 0.05, False: 0.01}, 24)
+    assert [i + 1 for i, c in enumerate(got) if c] == [6, 10, 18]
+    assert policy.speculate(2) is True  # a smaller bucket still explores
+
+
+@pytest.mark.parametrize("algorithm", ["NGRAM", "DSPARK"])
+def test_greedy_equal_when_the_policy_switches_mid_request(algorithm, tmp_path):
+    """A policy probing every other step switches every request between chains and plain decoding
+    many times; outputs equal plain decoding's, and both kinds of step occurred."""
+    model = init_weights(KimiForCausalLM(tiny_k3()), seed=0).eval()
+    prompts = [p * 3 for p in random_prompts(5, 6, 6)]  # repeats: NGRAM has matches
+    jobs = [(0, str(i), p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)) for i, p in enumerate(prompts)]
+    want = drive(make_engine(model), jobs)
+    kw = {}
+    if algorithm == "DSPARK":
+        from test_dspark import drafter_config
+        from tidal.spec.dspark import DsparkModel, save_drafter
+
+        kw = dict(draft_model_path=str(save_drafter(DsparkModel(drafter_config(model)).init_weights(1), tmp_path)),
+                  dspark_block_size=3)
+    engine = make_engine(model, spec=spec_config(algorithm, adaptive=True, **kw))
+    engine.spec.policy = CostPolicy(probe_every=1, max_probe_every=1, min_samples=1)  # alternates
+    assert outputs(drive(engine, jobs)) == outputs(want)
+    seen = engine.spec.policy.samples
+    assert any(len(seen[(b, True)]) >= 3 and len(seen.get((b, False), ())) >= 3 for b, s in seen if s), seen
+    assert engine.spec.metrics.num_chains >= 3
