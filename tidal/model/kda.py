@@ -19,7 +19,7 @@ from tidal.ops.kda import (
 )
 from tidal.ops.short_conv import causal_conv, causal_conv_step
 from tidal.ops.triton import use_triton
-from tidal.spec.verify import verify_conv, verify_delta
+from tidal.spec.verify import verify_conv, verify_delta, verify_kda_fused
 
 # Prefill pieces up to this many tokens run the token-by-token kernel (cheaper than one chunk).
 RECURRENT_MAX_LEN = 12
@@ -92,6 +92,14 @@ class KimiDeltaAttention(nn.Module):
             gate = self.g_b_proj(gate)
         # A pure decode step in one kernel call. Not under batch invariance: there a token's bits must
         # not depend on whether its step also prefills (mixed steps run the torch ops below).
+        if batch.verify_seqs and not batch.prefill_seqs and batch.verify.method == "swap" and T \
+                and not batch_invariant.enabled():
+            o = verify_kda_fused(qkv, z, gate, b, conv_state, rec_state, batch, conv_weight=self._conv_weight(),
+                                 A_log=self.A_log, dt_bias=self.dt_bias,
+                                 lower_bound=self.config.kda_gate_lower_bound, o_norm_weight=self.o_norm.weight,
+                                 eps=self.config.rms_norm_eps)
+            if o is not None:
+                return self.o_proj(o.to(x.dtype))
         if batch.is_decode and T and not batch_invariant.enabled():
             o = fused_decode.kda_layer_decode(
                 qkv, z, gate, b, conv_state, rec_state, batch.decode_slots(x.device), self._conv_weight(),

@@ -32,6 +32,9 @@ from tidal.spec.policy import CostPolicy
 from tidal.spec.rollback import ChainMemory
 
 
+# While the policy has steps decode plainly, one request drafts without verifying every this many
+# steps (a shadow draft: its acceptance keeps the policy's estimate of the text current).
+SHADOW_EVERY = 4
 RATE_WEIGHT = 0.5  # weight of the newest chain in a request's running acceptance
 PROBE_STEP = 0.02  # rate added per step a request backs off (about 10 steps from 0 to 0.25)
 
@@ -79,6 +82,9 @@ class SpecDecoder:
         self.memory = ChainMemory(pool, model_config, config.rollback)
         self.metrics = SpecMetrics(config.num_draft_tokens)
         self.policy = CostPolicy() if config.adaptive else None
+        # request id -> (request, its length, drafts, decoding sequences of the step)
+        self._shadows: dict[str, tuple[Request, int, list[int], int]] = {}
+        self._plain_steps = 0
         # request id -> running acceptance of its chains (1.0 until it has one); below
         # config.min_accept_rate the request decodes plainly, the rate creeping back up each step.
         self._rate: dict[str, float] = {}
@@ -89,8 +95,11 @@ class SpecDecoder:
         cfg = self.config
         if cfg.max_spec_batch and len(batch.requests) > cfg.max_spec_batch:
             return
-        if self.policy is not None and not self.policy.speculate(decoding_count(batch)):
-            return
+        if self.policy is not None:
+            self._score_shadows()
+            if not self.policy.speculate(decoding_count(batch)):
+                self._shadow(batch)
+                return
         asks, where = [], []
         for i, (req, n, c) in enumerate(zip(batch.requests, batch.query_lens, batch.cached_lens)):
             if budget <= 0:
@@ -121,6 +130,43 @@ class SpecDecoder:
             batch.query_lens[i] = 1 + len(tokens)
         if batch.drafts:
             batch.chain_memory = self.memory
+
+    def _shadow(self, batch) -> None:
+        """Every SHADOW_EVERY-th plain step, draft for one decoding request (in turn) without
+        verifying; :meth:`_score_shadows` counts what the target then produced."""
+        self._plain_steps += 1
+        if self._plain_steps % SHADOW_EVERY:
+            return
+        cands = [r for r, n, c in zip(batch.requests, batch.query_lens, batch.cached_lens)
+                 if n == 1 and c == r.num_tokens - 1 and r.constraint is None and r.request_id not in self._shadows]
+        k = self.config.num_draft_tokens
+        if not cands:
+            return
+        req = cands[(self._plain_steps // SHADOW_EVERY) % len(cands)]
+        k = min(k, req.max_tokens - req.num_output_tokens - 1)
+        if k < 1:
+            return
+        draft = propose_all(self.drafter, [(req.request_id, req.token_ids, k)])[0]
+        n = decoding_count(batch)
+        if draft is None or not draft.tokens:
+            self.policy.record_shadow(n, 1)  # a speculative step would commit its one token
+        else:
+            self._shadows[req.request_id] = (req, req.num_tokens, list(draft.tokens[:k]), n)
+
+    def _score_shadows(self) -> None:
+        """Shadow drafts whose positions the target has produced since (or whose request ended):
+        the tokens a chain would have committed (the drafts up to the first miss, plus one)."""
+        for rid, (req, start, tokens, num_decodes) in list(self._shadows.items()):
+            got = req.token_ids[start : start + len(tokens)]
+            if len(got) < len(tokens) and not req.finished:
+                continue
+            accepted = 0
+            for a, b in zip(got, tokens):
+                if a != b:
+                    break
+                accepted += 1
+            del self._shadows[rid]
+            self.policy.record_shadow(num_decodes, accepted + 1)
 
     def record_step(self, batch, seconds: float, tokens: int) -> None:
         """The engine's measurement of a step (``seconds`` from before :meth:`extend` to its
@@ -166,6 +212,10 @@ class SpecDecoder:
             self._rate[req.request_id] = (1 - RATE_WEIGHT) * rate + RATE_WEIGHT * accepted / max(1, drafted)
 
     def forget(self, request_id: str) -> None:
+        shadow = self._shadows.get(request_id)
+        if shadow is not None and self.policy is not None:
+            self._score_shadows()  # a finished request's shadow is scored with what it produced
+        self._shadows.pop(request_id, None)
         self.memory.release(request_id)
         self._rate.pop(request_id, None)
         self.drafter.forget(request_id)

@@ -347,6 +347,20 @@ class DsparkDrafter:
         self.tap_window = cfg.window
         self.cache = DraftContextCache(cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.window, max_requests,
                                        len(cfg.tap_layers) * cfg.hidden_size, self.device)
+        self._warm_up()
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One pass over dummy inputs: first-use costs (loading kernels, the bf16 weight copies) are
+        paid at start, not in a step the speculation policy measures."""
+        cfg, dev = self.cfg, self.device
+        ctx = self.model.context(torch.zeros(1, len(cfg.tap_layers) * cfg.hidden_size, device=dev))
+        angles = rope_angles(torch.zeros(1, dtype=torch.long, device=dev), cfg.head_dim, cfg.rope_theta)
+        kv = [tuple(t[None].expand(1, cfg.window, -1, -1) for t in layer.context_kv(ctx, angles))
+              for layer in self.model.layers]
+        h = self.model.forward_cached(ctx, torch.zeros(1, dtype=torch.long, device=dev), 1, kv,
+                                      torch.zeros(1, cfg.window, dtype=torch.bool, device=dev))
+        self._logits(h[0])
 
     @classmethod
     def from_path(cls, path: str, target: nn.Module, block_size: int,

@@ -9,21 +9,27 @@ speculation settings per batch size with a multi-armed bandit over measured thro
 (``--speculative-eagle-mab-algorithm`` EG / UCB1); DSpark's scheduler sets each request's verify
 length from a profiled throughput curve.
 
-Here the engine measures. For each batch-size bucket (the step's decoding sequences, rounded up
-to a power of two) it keeps the wall time and the committed tokens of the last ``window`` steps that speculated
-and of the last ``window`` that did not (steps with prefill work are not counted: their cost is
-the prefill's), and a step speculates when its bucket's speculative seconds per token (total
-time over total tokens of those steps) is the lower. The losing choice is judged on its last
-``min_samples`` steps only (its probes: older ones describe another text or load), so a probe
-that now wins switches soon.
-A bucket measures both choices first, alternating, ``min_samples`` steps each, except that
+Here the engine measures, and splits the cost of a token with chains into what the hardware
+decides and what the text decides. Per batch-size bucket (the step's decoding sequences, rounded
+up to a power of two) it keeps the wall time per decoding sequence of the last ``window`` steps
+that speculated and of the last ``window`` that did not (steps with prefill work are not
+counted: their cost is the prefill's): their ratio is what a chain costs against a decode on
+this machine at this batch size, drafting included, and barely depends on the text (a bucket's
+first step of each kind is not kept: it pays first-use costs). It also keeps the tokens
+committed per decoding sequence of the last ``accept_window`` speculative samples of the bucket:
+the steps that speculated, and shadow drafts (``record_shadow``: while the
+engine decodes plainly it drafts for one request now and then without verifying, and counts how
+many drafted tokens the target then produced), so the acceptance of the current text stays
+known at the cost of a draft. A step speculates when chain time per sequence / tokens per
+sequence is below the plain time per sequence.
+
+A bucket measures both kinds of step first, alternating, ``min_samples`` each, except that
 speculation is not tried first in a bucket above one where it lost (a verified chain only gets
-more expensive relative to a decode as the batch grows). After that the losing choice is probed
-once every ``probe_every`` steps of the bucket, or less often where it loses by more: a probe
-costs the loser's excess for one step, so the interval is (loss ratio - 1) / ``probe_overhead``
-steps (at most ``max_probe_every``), which keeps what probing costs near ``probe_overhead`` of
-the bucket's time however far apart the choices are, and probes often where they are close
-(where the text or the load can change the winner).
+more expensive relative to a decode as the batch grows). After that the losing kind is run
+again now and then so its time stays current (the loser is judged on its last ``min_samples``
+steps): once every (loss ratio - 1) / ``probe_overhead``
+steps of the bucket (at least ``probe_every``, at most ``max_probe_every``), so that what probing
+costs stays near ``probe_overhead`` of the bucket's time however far apart the two are.
 """
 
 from __future__ import annotations
@@ -32,9 +38,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 
-def per_token(steps) -> float:
-    """Seconds per committed token of (seconds, tokens) steps: their total time over their tokens."""
-    return sum(s for s, _ in steps) / sum(t for _, t in steps)
+def per_unit(samples) -> float:
+    """Sum of the first members of (amount, units) samples over the sum of their units."""
+    return sum(a for a, _ in samples) / sum(u for _, u in samples)
 
 
 def bucket_of(num_decodes: int) -> int:
@@ -44,16 +50,19 @@ def bucket_of(num_decodes: int) -> int:
 
 @dataclass
 class CostPolicy:
-    window: int = 8  # recent steps of each choice kept per bucket
-    min_samples: int = 3  # of each choice in a bucket before the costs decide
-    probe_every: int = 16  # steps of a bucket between probes of the losing choice, at least
+    window: int = 8  # recent steps of each kind kept per bucket
+    min_samples: int = 3  # of each kind in a bucket before the costs decide
+    accept_window: int = 32  # recent acceptance samples (speculative steps and shadow drafts)
+    probe_every: int = 16  # steps of a bucket between runs of the losing kind, at least
     probe_overhead: float = 0.02  # what probing may cost, as a fraction of the bucket's time
-    max_probe_every: int = 256
-    samples: dict[tuple[int, bool], deque] = field(default_factory=dict)
+    max_probe_every: int = 1024
+    skip_first: bool = True  # a bucket's first step of each kind is not kept (first-use costs)
+    samples: dict[tuple[int, bool], deque] = field(default_factory=dict)  # (seconds, sequences)
+    acceptance: dict[int, deque] = field(default_factory=dict)  # per bucket: (tokens committed, sequences)
     steps: dict[int, int] = field(default_factory=dict)
     _next_probe: dict[int, int] = field(default_factory=dict)
     _last: dict[int, bool] = field(default_factory=dict, repr=False)  # the last winner per bucket
-    _costs: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)
+    _warm: set = field(default_factory=set, repr=False)
 
     def speculate(self, num_decodes: int) -> bool:
         """Whether a step with ``num_decodes`` decoding sequences should draft."""
@@ -72,34 +81,52 @@ class CostPolicy:
         return best
 
     def record(self, num_decodes: int, speculated: bool, seconds: float, tokens: int) -> None:
-        """A decode-only step: ``tokens`` committed in ``seconds``, with chains or without."""
-        if tokens > 0 and num_decodes > 0:
-            self._of(bucket_of(num_decodes), speculated).append((seconds, tokens))
+        """A decode-only step: ``tokens`` committed in ``seconds`` by ``num_decodes`` sequences,
+        with chains or without."""
+        if tokens <= 0 or num_decodes <= 0:
+            return
+        b = bucket_of(num_decodes)
+        if speculated:
+            self._accept(b, (tokens, num_decodes))
+        if self.skip_first and (b, speculated) not in self._warm:
+            self._warm.add((b, speculated))
+            return
+        self._of(b, speculated).append((seconds, num_decodes))
+
+    def record_shadow(self, num_decodes: int, tokens: float) -> None:
+        """A shadow draft in a step of ``num_decodes`` sequences: a chain would have committed
+        ``tokens`` (accepted drafts + 1)."""
+        self._accept(bucket_of(num_decodes), (tokens, 1))
+
+    def tokens_per_sequence(self, bucket: int) -> float:
+        """Committed tokens per decoding sequence of a speculative step in ``bucket``, recently (1
+        if unknown)."""
+        got = self.acceptance.get(bucket)
+        return per_unit(got) if got else 1.0
 
     def seconds_per_token(self, bucket: int, speculated: bool) -> float | None:
-        """Over the bucket's recent steps of that choice (None: none yet)."""
+        """What a token costs in ``bucket`` with chains or without (None: not measured). The kind
+        that lost last time is judged on its last ``min_samples`` steps only (older ones describe
+        another load)."""
         got = self._of(bucket, speculated)
-        return per_token(got) if got else None
+        if not got:
+            return None
+        if self._last.get(bucket, speculated) != speculated:
+            got = list(got)[-self.min_samples :]
+        return per_unit(got) / (self.tokens_per_sequence(bucket) if speculated else 1.0)
 
     def winner(self, bucket: int) -> bool | None:
-        """True: speculating is the cheaper choice in ``bucket``; None: not measured enough. The
-        current winner is judged on its last ``window`` steps, the loser on its last
-        ``min_samples`` (its probes: older ones describe another text or load)."""
-        spec, plain = self._of(bucket, True), self._of(bucket, False)
-        if len(spec) < self.min_samples or len(plain) < self.min_samples:
+        """True: speculating is the cheaper in ``bucket``; None: not measured enough."""
+        if len(self._of(bucket, True)) < self.min_samples or len(self._of(bucket, False)) < self.min_samples:
             return None
-        last = self._last.get(bucket, True)
-        a = per_token(spec) if last else per_token(list(spec)[-self.min_samples:])
-        b = per_token(list(plain)[-self.min_samples:]) if last else per_token(plain)
-        self._last[bucket] = a < b
-        self._costs[bucket] = (a, b)
-        return a < b
+        self._last[bucket] = self.seconds_per_token(bucket, True) < self.seconds_per_token(bucket, False)
+        return self._last[bucket]
 
     def loss(self, bucket: int) -> float | None:
         """The loser's seconds per token over the winner's in ``bucket`` (None: not measured)."""
         if self.winner(bucket) is None:
             return None
-        a, b = self._costs[bucket]
+        a, b = self.seconds_per_token(bucket, True), self.seconds_per_token(bucket, False)
         return max(a, b) / max(min(a, b), 1e-12)
 
     def probe_interval(self, bucket: int) -> int:
@@ -110,6 +137,11 @@ class CostPolicy:
         """How much speculation lost by in the nearest smaller bucket where it lost (None: none)."""
         lost = [b for b, s in self.samples if s and b < bucket and self.winner(b) is False]
         return self.loss(max(lost)) if lost else None
+
+    def _accept(self, bucket: int, sample: tuple[float, int]) -> None:
+        if bucket not in self.acceptance:
+            self.acceptance[bucket] = deque(maxlen=self.accept_window)
+        self.acceptance[bucket].append(sample)
 
     def _of(self, bucket: int, speculated: bool) -> deque:
         key = (bucket, speculated)

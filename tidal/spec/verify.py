@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tidal.ops import fused_decode
 from tidal.ops.kda import kda_decode_step_
 from tidal.ops.backends import mla_paged_decode
 from tidal.ops.short_conv import causal_conv_step
@@ -91,6 +92,36 @@ def _step(batch, storage: torch.Tensor, kind: str, layer: int, j: int, pos: Posi
     state = work[pos.live]
     out = kernel(state)
     work[pos.live] = state
+    return out
+
+
+def verify_kda_fused(qkv: torch.Tensor, z: torch.Tensor, gate: torch.Tensor, b: torch.Tensor,
+                     conv_state: torch.Tensor, rec_state: torch.Tensor, batch, **kernel_args) -> torch.Tensor | None:
+    """A decode-and-chains step of a KDA layer ("swap" rollback, no prefill) with the fused decode
+    kernel (``tidal.ops.fused_decode.kda_layer_decode``, the one a pure decode step runs): the
+    step's decodes and every chain's position 0 in one call on their own slots, then position j
+    of every chain on its block after a copy of the block of position j-1. Returns the gated o
+    [T, P] of every row, or None (nothing changed) where the kernel does not apply."""
+    v: VerifyLayout = batch.verify
+    dev = qkv.device
+    first = v.positions(batch, 0, dev)
+    rows = torch.cat([batch.decode_tokens(dev), first.rows])
+    slots = torch.cat([batch.decode_slots(dev).to(torch.long), first.dst])
+
+    def run(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+        return fused_decode.kda_layer_decode(qkv[rows], z[rows], gate[rows], b[rows], conv_state, rec_state, slots,
+                                             **kernel_args)
+
+    o = run(rows, slots)
+    if o is None:
+        return None
+    out = torch.empty(qkv.shape[0], o.shape[1], dtype=o.dtype, device=dev)
+    out[rows] = o
+    for j in range(1, max(batch.query_lens[s] for s in v.seqs)):
+        pos = v.positions(batch, j, dev)
+        conv_state.index_copy_(0, pos.dst, conv_state.index_select(0, pos.src))
+        rec_state.index_copy_(0, pos.dst, rec_state.index_select(0, pos.src))
+        out[pos.rows] = run(pos.rows, pos.dst)
     return out
 
 
