@@ -326,16 +326,129 @@ def test_kernels_off_when_cpu_kernels_disabled(monkeypatch):
     try:
         monkeypatch.setenv("TIDAL_CPU_KERNELS", "0")
         for fn in (cpu_kernels._library, cpu_kernels.rms_norm_kernel, cpu_kernels.attn_res_kernels,
-                   cpu_kernels.kda_layer_decode_kernel):
+                   cpu_kernels.kda_layer_decode_kernel, cpu_kernels.moe_router_kernel):
             fn.cache_clear()
         x = torch.randn(3, 16)
         assert fused_decode.rms_norm(x, None, 1e-6) is None
         torch.testing.assert_close(rms_norm(x, None, 1e-6), reference_rms_norm(x, None, 1e-6).float())
+        w, bias = torch.randn(12, 16), torch.randn(12) * 0.1
+        assert fused_decode.router(x, w, bias, 3, 1, 1, True, 1.0) is None
+        router = Router(replace(tiny_k3(), hidden_size=16, num_experts=12, num_experts_per_token=3,
+                                num_expert_group=1, topk_group=1))
+        with torch.no_grad():
+            router.weight.copy_(w)
+            router.e_score_correction_bias.copy_(bias)
+            ids, weights = router(x)
+        want_ids, want_w = reference_router(x, w, bias, 3, 1, 1, True, router.config.routed_scaling_factor)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights.double(), want_w, rtol=2e-6, atol=1e-7)
     finally:
         monkeypatch.delenv("TIDAL_CPU_KERNELS")
         for fn in (cpu_kernels._library, cpu_kernels.rms_norm_kernel, cpu_kernels.attn_res_kernels,
-                   cpu_kernels.kda_layer_decode_kernel):
+                   cpu_kernels.kda_layer_decode_kernel, cpu_kernels.moe_router_kernel):
             fn.cache_clear()
+
+
+# ---- the MoE router ------------------------------------------------------------------------------
+
+
+def reference_router(x, w, bias, k, n_group, topk_group, renormalize, scale):
+    """Router.forward in float64, row by row; ties at the cut choose the lower expert index."""
+    ids, weights = [], []
+    for row in x.double():
+        score = torch.sigmoid(w.double() @ row)
+        key = score + bias.double()
+        if n_group > 1 and topk_group < n_group:
+            grouped = key.view(n_group, -1)
+            group_score = grouped.sort(descending=True, stable=True).values[:, :2].sum(-1)
+            keep = sorted(range(n_group), key=lambda g: (-group_score[g].item(), g))[:topk_group]
+            mask = torch.ones(n_group, dtype=torch.bool)
+            mask[keep] = False
+            key = grouped.masked_fill(mask[:, None], float("-inf")).view(-1)
+        chosen = sorted(range(key.numel()), key=lambda e: (-key[e].item(), e))[:k]
+        wt = score[chosen]
+        if renormalize:
+            wt = wt / (wt.sum() + 1e-20)
+        ids.append(chosen)
+        weights.append(wt * scale)
+    return torch.tensor(ids, dtype=torch.int64), torch.stack(weights)
+
+
+ROUTER_CASES = [  # (d, experts, k, groups, kept groups, renormalize, scale)
+    (77, 12, 3, 1, 1, True, 1.0), (768, 32, 4, 1, 1, True, 2.5), (130, 24, 5, 4, 2, True, 1.7),
+    (33, 16, 2, 8, 3, False, 1.0), (257, 40, 6, 5, 5, True, 1.0),
+]
+
+
+@pytest.mark.parametrize("case", ROUTER_CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_dtype", DTYPES)
+def test_router_matches_float64_and_the_torch_form(monkeypatch, case, dtype, weight_dtype):
+    d, E, k, n_group, topk_group, renorm, scale = case
+    gen = torch.Generator().manual_seed(d * E + k)
+    config = replace(tiny_k3(), hidden_size=d, num_experts=E, num_experts_per_token=k, num_expert_group=n_group,
+                     topk_group=topk_group, moe_renormalize=renorm, routed_scaling_factor=scale)
+    router = Router(config)
+    with torch.no_grad():
+        router.weight.data = (torch.randn(E, d, generator=gen) / d**0.5).to(weight_dtype)
+        router.e_score_correction_bias.copy_(torch.randn(E, generator=gen) * 0.1)
+    for T in (1, 7, 37):
+        x = torch.randn(T + 3, d, generator=gen).to(dtype)[2:-1]  # a view: rows at an offset
+        with torch.no_grad():
+            ids, weights = router(x)
+            want_ids, want_w = reference_router(x, router.weight, router.e_score_correction_bias, k, n_group,
+                                                topk_group, renorm, scale)
+            monkeypatch.setenv("TIDAL_FUSED_DECODE", "0")
+            torch_ids, torch_w = router(x)
+            monkeypatch.setenv("TIDAL_FUSED_DECODE", "1")
+            assert fused_decode.router(x, router.weight, router.e_score_correction_bias, k, n_group, topk_group,
+                                       renorm, scale) is not None
+        assert ids.dtype == torch.int64 and weights.dtype == torch.float32 and ids.shape == (T, k)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights.double(), want_w, rtol=2e-6, atol=1e-7)
+        # torch's form: the same experts (in its order of equal keys: none here), weights within rounding
+        assert torch.equal(torch_ids.sort(-1).values, ids.sort(-1).values)
+        order = [t * k + ids[t].tolist().index(e) for t in range(T) for e in torch_ids[t].tolist()]
+        torch.testing.assert_close(torch_w.reshape(-1), weights.reshape(-1)[order], rtol=2e-6, atol=1e-7)
+
+
+def test_router_rows_are_bitwise_batch_and_thread_invariant():
+    gen = torch.Generator().manual_seed(5)
+    d, E, k = 300, 64, 6  # 64 rows: enough work for the kernel's threads
+    w = torch.randn(E, d, generator=gen).bfloat16()
+    bias = torch.randn(E, generator=gen) * 0.05
+    x = torch.randn(64, d, generator=gen).bfloat16()
+    with threads(2):
+        ids, weights = fused_decode.router(x, w, bias, k, 4, 2, True, 2.0)
+    with threads(1):
+        ids1, weights1 = fused_decode.router(x, w, bias, k, 4, 2, True, 2.0)
+    assert torch.equal(ids, ids1) and torch.equal(weights, weights1)
+    for t in (0, 17, 63):
+        alone_ids, alone_w = fused_decode.router(x[t : t + 1].clone(), w, bias, k, 4, 2, True, 2.0)
+        assert torch.equal(alone_ids[0], ids[t]) and torch.equal(alone_w[0], weights[t])
+
+
+def test_router_ties_choose_the_lower_expert_and_nan_ranks_first():
+    E, d = 16, 8
+    w = torch.zeros(E, d)
+    w[3], w[9], w[12] = 1.0, 1.0, 1.0  # three equal scores above the rest
+    x = torch.ones(1, d)
+    bias = torch.zeros(E)
+    ids, weights = fused_decode.router(x, w, bias, 2, 1, 1, False, 1.0)
+    assert ids.tolist() == [[3, 9]]
+    torch.testing.assert_close(weights, torch.sigmoid(torch.tensor([[8.0, 8.0]])))
+    bias[5] = float("nan")
+    ids, _ = fused_decode.router(x, w, bias, 2, 1, 1, False, 1.0)
+    assert ids.tolist() == [[5, 3]]  # torch.topk ranks NaN above every number
+
+
+def test_router_declines_what_it_does_not_cover():
+    w, bias, x = torch.randn(12, 8), torch.zeros(12), torch.randn(2, 8)
+    assert fused_decode.router(x.double(), w.double(), bias, 2, 1, 1, True, 1.0) is None  # float64
+    assert fused_decode.router(x, w, bias, 13, 1, 1, True, 1.0) is None  # k above the experts
+    assert fused_decode.router(x, w, bias, 2, 5, 2, True, 1.0) is None  # groups do not divide the experts
+    assert fused_decode.router(x, w.t().contiguous().t(), bias, 2, 1, 1, True, 1.0) is None  # strided weight
+    assert fused_decode.router(x, w.requires_grad_(), bias, 2, 1, 1, True, 1.0) is None  # autograd
 
 
 # ---- the engine ----------------------------------------------------------------------------------
@@ -373,24 +486,30 @@ def test_engine_greedy_tokens_equal_with_and_without_the_fused_kernels(monkeypat
     assert greedy(False) == want
 
 
-def test_engine_bf16_greedy_tokens_equal_with_and_without_the_absorbed_mla_kernel(monkeypatch):
-    """bfloat16 embedded model: the same greedy tokens whether MLA decode reads kv_b_proj's bf16
-    weight in place (csrc/mla_decode.c) or through the float32 copy of the torch path."""
+@pytest.mark.parametrize("kernel", ["mla_absorbed_for", "router"])
+def test_engine_bf16_greedy_tokens_equal_with_and_without_a_kernel(monkeypatch, kernel):
+    """bfloat16 embedded model: the same greedy tokens, batched and alone, whether MLA decode reads
+    kv_b_proj's bf16 weight in place (csrc/mla_decode.c) or through the float32 copy of the torch
+    path, and whether the router runs in one C call (csrc/moe_router.c) or as the torch ops of
+    tidal/model/moe.py."""
     from tidal.ops import mla as mla_ops
 
+    owner = mla_ops if kernel == "mla_absorbed_for" else fused_decode
     calls = []
-    real = mla_ops.mla_absorbed_for
+    real = getattr(owner, kernel)
 
     def counted(*args):
         out = real(*args)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(mla_ops, "mla_absorbed_for", counted)
+    monkeypatch.setattr(owner, kernel, counted)
     llm = LLM(str(embedded_model_dir()), dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
-    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9], list(range(30, 60)))]
+    prompts = [[5, 17, 99, 3], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9], [42] * 6, list(range(30, 60))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    on = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    on = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert calls and all(calls)
-    monkeypatch.setattr(mla_ops, "mla_absorbed_for", lambda *args: None)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == on
+    alone = [llm.generate({"prompt_token_ids": p}, params)[0].outputs[0].token_ids for p in prompts]
+    monkeypatch.setattr(owner, kernel, lambda *args: None)
+    off = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert on == alone == off

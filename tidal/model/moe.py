@@ -115,6 +115,10 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, d] -> (expert ids [T, k], weights [T, k] in float32 or wider)."""
         c = self.config
+        fused = fused_decode.router(x, self.weight, self.e_score_correction_bias, c.num_experts_per_token,
+                                    c.num_expert_group, c.topk_group, c.moe_renormalize, c.routed_scaling_factor)
+        if fused is not None:
+            return fused
         ct = compute_dtype(x.dtype)
         if batch_invariant.enabled():
             scores = batch_invariant.rowwise(torch.sigmoid, batch_invariant.linear(x.to(ct), self.weight))

@@ -361,3 +361,14 @@ def kda_layer_decode_kernel() -> Callable | None:
                      [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, ctypes.c_int, _PTR, _I64, ctypes.c_int, _PTR,
                       _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, ctypes.c_float, ctypes.c_int, _PTR, ctypes.c_float,
                       _PTR, _I64, _I64, _I64, _I64, ctypes.c_int])
+
+
+@cache
+def moe_router_kernel() -> Callable | None:
+    """csrc/moe_router.c's ``moe_router_topk`` (scores, bias-corrected grouped top-k, weights), or None."""
+    fn = _function("moe_router", "moe_router_topk",
+                   [_PTR, _I64, ctypes.c_int, _I64, _I64, _PTR, ctypes.c_int, _I64, _PTR, _I64, _I64, _I64,
+                    ctypes.c_int, ctypes.c_float, _PTR, _PTR, ctypes.c_int])
+    if fn is not None:
+        fn.restype = ctypes.c_int
+    return fn

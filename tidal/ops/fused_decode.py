@@ -1,6 +1,6 @@
 """One C call where a decode step ran a chain of small torch ops on the CPU: RMSNorm, the gated MLP
-activations, Block AttnRes, the recurrent part of a KDA layer and the packed routed experts
-(csrc/rms_norm.c, activation.c, attn_res.c, kda_layer_decode.c, mxfp4_gemm.c).
+activations, Block AttnRes, the recurrent part of a KDA layer, the MoE router and the packed routed
+experts (csrc/rms_norm.c, activation.c, attn_res.c, kda_layer_decode.c, moe_router.c, mxfp4_gemm.c).
 
 At batch 1 a step's work per op is a few hundred values, so its time went to dispatching ~2,000
 aten calls, not to arithmetic. Each function here takes the arguments of the model's math and
@@ -23,6 +23,7 @@ from tidal.ops.cpu_kernels import (
     attn_res_kernels,
     fused_decode_enabled,
     kda_layer_decode_kernel,
+    moe_router_kernel,
     mxfp4_moe_kernel,
     rms_norm_kernel,
 )
@@ -96,6 +97,32 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, situ_betas: tuple[flo
     fn(_ptr(gate), gate.stride(0), _ptr(up), up.stride(0), _ptr(out), M, N, int(situ_betas is not None), beta,
        linear_beta, int(gate.dtype == torch.bfloat16), torch.get_num_threads())
     return out
+
+
+def router(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int,
+    renormalize: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:meth:`tidal.model.moe.Router.forward`: x [T, d] -> (expert ids [T, k] int64, weights [T, k]
+    float32). Scores in float32 sums of one fixed order; exact ties choose the lower expert index
+    (torch.topk's order among equal values is unspecified)."""
+    E = weight.shape[0]
+    if (not _applies(x, weight) or not _rows_ok(x) or not _small(x.shape[0]) or weight.dim() != 2
+            or not weight.is_contiguous() or weight.shape[1] != x.shape[1] or bias.shape != (E,)
+            or not 0 < k <= E or (n_group > 1 and (E % n_group or not 0 < topk_group <= n_group))):
+        return None
+    fn = moe_router_kernel()
+    if fn is None:
+        return None
+    T = x.shape[0]
+    bias = _float32(bias.detach())
+    ids = torch.empty(T, k, dtype=torch.int64)
+    weights = torch.empty(T, k, dtype=torch.float32)
+    if fn(_ptr(x), x.stride(0), int(x.dtype == torch.bfloat16), T, x.shape[1], _ptr(weight),
+          int(weight.dtype == torch.bfloat16), E, _ptr(bias), n_group, topk_group, k, int(renormalize), scale,
+          _ptr(ids), _ptr(weights), torch.get_num_threads()) != 0:
+        raise MemoryError(f"moe_router_topk: no scratch memory for {T} rows")
+    return ids, weights
 
 
 def packed_experts(
