@@ -51,6 +51,20 @@ def test_row_alone_equals_row_in_a_batch_bitwise(kernel):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("N,K", [(384, 768), (2048, 768)])  # one row below and above the kernel's parallel cut
+def test_one_row_has_the_same_bits_on_one_and_two_threads(kernel, N, K):
+    gen = torch.Generator().manual_seed(N + K)
+    x, w = torch.randn(1, K, generator=gen), torch.randn(N, K, generator=gen).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(x, w)
+        torch.set_num_threads(2)
+        assert torch.equal(kernel(x, w), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bf16_rows_take_the_kernel_at_every_count(monkeypatch):
     calls = []
     real = cpu_kernels.bf16_rows_kernel()

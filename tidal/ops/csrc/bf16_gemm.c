@@ -37,13 +37,17 @@ static inline float bf16(uint16_t v) {
 /* Weight rows per work item (a multiple of every tile width), and bytes of x rows per row block. */
 #define COL_CHUNK 48
 #define ROW_BLOCK_BYTES (192 * 1024)
+/* A product of fewer multiply-adds runs on the calling thread: waking a passive OpenMP pool costs
+ * tens of microseconds, more than a second thread saves on a weight of a few hundred KiB. The
+ * summation order does not depend on the thread count, so the bits are the same either way. */
+#define PARALLEL_MIN_MACS (1 << 20)
 
 void bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t w_stride, int64_t N, float *out,
                int num_threads) {
     int64_t mb = ROW_BLOCK_BYTES / (K * (int64_t)sizeof(float) + 1) / MAX_R * MAX_R;
     if (mb < MAX_R) mb = MAX_R;
     const int64_t row_blocks = (M + mb - 1) / mb, col_chunks = (N + COL_CHUNK - 1) / COL_CHUNK;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && M * N * K >= PARALLEL_MIN_MACS)
     for (int64_t item = 0; item < row_blocks * col_chunks; item++) {
         const int64_t t0 = item / col_chunks * mb, j0 = item % col_chunks * COL_CHUNK;
         const int64_t t1 = t0 + mb < M ? t0 + mb : M, j1 = j0 + COL_CHUNK < N ? j0 + COL_CHUNK : N;
