@@ -111,6 +111,14 @@ def checkpoint_prefix(config: ModelConfig) -> str:
     return K3_PREFIX if config.model_type == "kimi_k3" else ""
 
 
+@functools.lru_cache(maxsize=8)
+def meta_model(config: ModelConfig) -> KimiForCausalLM:
+    """The whole model of ``config`` on the meta device, built once per config (a build costs a
+    load a tenth of a second): read its names and shapes, never change it."""
+    with torch.device("meta"):
+        return KimiForCausalLM(config)
+
+
 _LAYOUTS: dict[ModelConfig, dict[str, tuple[TensorSpec, _Source]]] = {}
 
 
@@ -121,8 +129,7 @@ def _layout(config: ModelConfig, model: KimiForCausalLM | None = None) -> dict[s
     out = _LAYOUTS.get(config)
     if out is None:
         if model is None:
-            with torch.device("meta"):
-                model = KimiForCausalLM(config)
+            model = meta_model(config)
         if len(_LAYOUTS) >= 8:
             _LAYOUTS.pop(next(iter(_LAYOUTS)))
         out = _LAYOUTS[config] = _layout_of(config, model)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tidal.config import ModelConfig
+from tidal.model.checkpoint import meta_model
 from tidal.model.kimi import KimiForCausalLM
 from tidal.model.moe import Experts, KimiMLP, KimiMoE, PackedExperts, pack_experts
 from tidal.model.mla import KimiMLA
@@ -85,8 +86,7 @@ def build_rank_model(config: ModelConfig, place: RankPlace, comm: Collectives, p
 @functools.lru_cache(maxsize=8)
 def full_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter's shape in the whole (TP 1) model."""
-    with torch.device("meta"):
-        return {name: tuple(t.shape) for name, t in KimiForCausalLM(config).state_dict(keep_vars=True).items()}
+    return {name: tuple(t.shape) for name, t in meta_model(config).state_dict(keep_vars=True).items()}
 
 
 def tensor_slice(name: str, shape: tuple[int, ...], config: ModelConfig, place: RankPlace) -> tuple[int, int, int] | None:
