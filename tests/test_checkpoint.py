@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tidal import presets
-from tidal.config import ConfigError
+from tidal.config import ConfigError, ModelConfig
 from tidal.model import checkpoint
 from tidal.model.checkpoint import KINDS, CheckpointError, expected_tensors, load_model, save_model
 from tidal.model.kimi import KimiForCausalLM
@@ -408,7 +408,7 @@ def test_safetensors_load_strategy_of_the_engine(tmp_path):
         LLM(str(tmp_path), skip_tokenizer_init=True, safetensors_load_strategy="mmap")
 
 
-@pytest.mark.parametrize("case", ["kimi_linear_bf16", "k3_dense_bf16", "k3_dense_fp32"])
+@pytest.mark.parametrize("case", ["kimi_linear_bf16", "kimi_linear_grouped_bf16", "k3_dense_bf16", "k3_dense_fp32"])
 def test_stacked_experts_are_strided_views_in_file_order_and_exact(tmp_path, case):
     """12 experts: the file holds them in the names' order (0, 1, 10, 11, 2, ...). Mapped, each
     stacked expert weight is a strided view of the file in that order (Experts.slots); the state_dict
@@ -418,8 +418,13 @@ def test_stacked_experts_are_strided_views_in_file_order_and_exact(tmp_path, cas
     from tidal import LLM, SamplingParams
     from tidal.model.moe import Experts
 
-    config = presets.tiny_kimi_linear(num_experts=12) if case == "kimi_linear_bf16" else presets.tiny_k3(
-        mxfp4=False, num_experts=12)
+    if case.startswith("kimi_linear"):
+        d = presets.tiny_kimi_linear_dict(num_experts=12)
+        if "grouped" in case:  # 4 groups of 3 experts, the best 2 groups: groups are runs of expert numbers
+            d.update(num_expert_group=4, topk_group=2)
+        config = ModelConfig.from_dict(d)
+    else:
+        config = presets.tiny_k3(mxfp4=False, num_experts=12)
     dtype = torch.float32 if case.endswith("fp32") else torch.bfloat16
     save_model(random_model(config, dtype), tmp_path)
     files = [tmp_path / "model.safetensors"]
