@@ -16,7 +16,7 @@ Decode tok/s counts the tokens emitted by steps without prefill work and divides
 wall time (prefill is the same with and without speculation). Each (concurrency, setting) runs
 ``--repeats`` times and the best is kept (the machine is shared and noisy).
 
-    python benchmarks/bench_spec.py [--concurrency 1 8 32] [--k 4] [--tokens 64] [--threads 1]
+    python benchmarks/bench_spec.py [--concurrency 1 8 32] [--k K] [--dspark-k K] [--tokens 64] [--threads 1]
         [--algorithms NGRAM DSPARK] [--workloads repeat chat code]
 """
 
@@ -104,7 +104,8 @@ def run(llm: LLM, prompts: list[str], tokens: int) -> tuple[float, int, float | 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--k", type=int, default=4, help="speculative_num_draft_tokens")
+    ap.add_argument("--k", type=int, default=None, help="speculative_num_draft_tokens (default: the engine's)")
+    ap.add_argument("--dspark-k", type=int, default=None, help="DSPARK's block size (default: --k, else the engine's)")
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
@@ -118,12 +119,14 @@ def main() -> None:
     plain = LLM(enable_prefix_caching=False)
     specs = {}
     for algo in args.algorithms:
-        extra = {"speculative_draft_model_path": dspark, "speculative_dspark_block_size": args.k} \
-            if algo == "DSPARK" else {"speculative_num_draft_tokens": args.k}
+        k = args.dspark_k or args.k if algo == "DSPARK" else args.k
+        extra = {"speculative_draft_model_path": dspark, "speculative_dspark_block_size": k} \
+            if algo == "DSPARK" else {"speculative_num_draft_tokens": k}
         specs[algo] = LLM(enable_prefix_caching=False, speculative_algorithm=algo,
                           enable_linear_replayssm_spec=args.replay, **extra)
     cfg = next(iter(specs.values())).engine.spec.config
-    print(f"embedded model, float32, {args.threads} thread(s), k={args.k}, rollback {cfg.rollback}, speculation "
+    ks = ", ".join(f"{a} k={s.engine.spec.config.num_draft_tokens}" for a, s in specs.items())
+    print(f"embedded model, float32, {args.threads} thread(s), {ks}, rollback {cfg.rollback}, speculation "
           f"{'adaptive (tidal.spec.policy)' if cfg.adaptive else 'always'}; load average {os.getloadavg()[0]:.1f}")
     print(f"{'workload':9} {'drafter':8} {'conc':>4} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} "
           f"{'accept len':>10} {'load':>5}")

@@ -4,7 +4,7 @@ time, on 127.0.0.1), each loaded by the same ``tidal bench --dataset multiturn``
 server's output tok/s, its ratio to the plain server's, and the accept length the bench reads from
 /server_info (committed tokens per verified chain, SGLang's avg_spec_accept_length).
 
-    python benchmarks/bench_spec_multiturn.py [--concurrency 1] [--duration 60] [--k 4]
+    python benchmarks/bench_spec_multiturn.py [--concurrency 1] [--duration 60] [--k K] [--dspark-k K]
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", default="1")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds per server")
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, default=None, help="NGRAM's drafted tokens (default: the engine's)")
+    ap.add_argument("--dspark-k", type=int, default=None, help="DSPARK's block size (default: --k, else the engine's)")
     ap.add_argument("--system-len", type=int, default=300)
     ap.add_argument("--tool-result-len", type=int, default=100)
     ap.add_argument("--output-len", type=int, default=48)
@@ -61,9 +62,10 @@ def main() -> None:
 
     settings = {
         "plain": [],
-        "NGRAM": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(args.k)],
+        "NGRAM": ["--speculative-algorithm", "NGRAM", *(["--speculative-num-draft-tokens", str(args.k)] if args.k else [])],
         "DSPARK": ["--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(DRAFTER),
-                   "--speculative-dspark-block-size", str(args.k)],
+                   *(["--speculative-dspark-block-size", str(args.dspark_k or args.k)] if args.dspark_k or args.k
+                     else [])],
     }
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,7 +82,8 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait(30)
-    print(f"multiturn, embedded model, k={args.k}, {args.duration:g} s per server; load average "
+    ks = f"k={args.k or 'default'}, DSPARK k={args.dspark_k or args.k or 'default'}"
+    print(f"multiturn, embedded model, {ks}, {args.duration:g} s per server; load average "
           f"{os.getloadavg()[0]:.1f}")
     print(f"{'server':7} {'conc':>4} {'done':>5} {'out tok/s':>10} {'ratio':>6} {'TPOT ms':>8} {'accept len':>10}")
     for name, rs in rows.items():

@@ -318,3 +318,20 @@ def test_cached_context_proposes_the_reference_tokens(model):
     for rid in list(tokens):
         fast.forget(rid)
     assert fast.cache.num_free == 3 and bool((fast.cache.pos == -1).all())
+
+
+def test_counted_memory_is_what_the_drafter_holds(model, tmp_path):
+    """The bytes the engine takes out of the pool for the drafter (``nbytes``, the same function
+    ``memory_bytes`` reads from a drafter directory) are the tensors it holds after drafting: its
+    float32 weights, their bf16 copies, the bf16 LM head and the context cache."""
+    cfg = drafter_config(model, num_layers=2)
+    path = save_drafter(DsparkModel(cfg).init_weights(3), tmp_path)
+    d = DsparkDrafter(load_drafter(path), model, max_requests=5)
+    seq = random_prompts(27, 1, 20)[0]
+    d.observe("r", 0, tap_forward(model, [seq], TAPS)[0][:-1])
+    assert d.propose("r", seq, BLOCK) is not None
+    copies = [v[1] for owner in (d, *d.model.modules()) for k, v in vars(owner).items()
+              if k.startswith("_") and isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.Tensor)]
+    cache = [t for t in vars(d.cache).values() if isinstance(t, torch.Tensor)]
+    held = sum(p.nbytes for p in d.model.parameters()) + sum(t.nbytes for t in copies + cache)
+    assert d.nbytes == held == DsparkDrafter.memory_bytes(str(path), 5)

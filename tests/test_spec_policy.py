@@ -52,7 +52,8 @@ def test_the_recording_has_both_sides():
 @pytest.mark.parametrize("key", sorted(recorded_pairs()))
 def test_replayed_costs_are_near_the_better_choice(key):
     """The policy decides 300 steps; each step costs the next recorded step of the choice it made
-    (in recorded order, cycling), and every SHADOW_EVERY-th plain step also drafts a shadow whose
+    (in recorded order, cycling), and a plain step drafts a shadow as often as the engine's does
+    (every max(SHADOW_EVERY, sequences) plain steps), whose
     acceptance is that of the next recorded speculative step. Its seconds per token are within 10%
     of the better choice's, and where the two are far apart it takes the worse one only to
     explore and probe."""
@@ -62,7 +63,7 @@ def test_replayed_costs_are_near_the_better_choice(key):
     seconds = tokens = 0.0
     chose = {True: 0, False: 0}
     steps = 300
-    shadow = 0
+    shadow = plain_steps = 0
     for step in range(steps):
         num_decodes = pair[True][0][0]
         choice = policy.speculate(num_decodes)
@@ -70,7 +71,8 @@ def test_replayed_costs_are_near_the_better_choice(key):
         cursor[choice] += 1
         chose[choice] += 1
         policy.record(num_decodes, choice, rec[2], rec[3])
-        if not choice and step % SHADOW_EVERY == 0:
+        plain_steps += not choice
+        if not choice and plain_steps % max(SHADOW_EVERY, num_decodes) == 0:
             spec_step = pair[True][shadow % len(pair[True])]
             shadow += 1
             policy.record_shadow(num_decodes, spec_step[3] / spec_step[0])

@@ -7,6 +7,11 @@ from dataclasses import dataclass
 ALGORITHMS = ("NGRAM", "STANDALONE", "DSPARK")
 # Algorithms this build can run (the others are named so that asking for them gets a clear error).
 IMPLEMENTED = ("NGRAM", "STANDALONE", "DSPARK")
+# Drafted tokens per step when neither --speculative-num-draft-tokens nor (DSPARK)
+# --speculative-dspark-block-size is given: a DSPARK block costs about the same to draft at any
+# size, so it drafts more than the per-token drafters (benchmarks/bench_spec.py --k).
+DEFAULT_NUM_DRAFT_TOKENS = 4
+DEFAULT_DSPARK_BLOCK_SIZE = 4
 
 
 @dataclass
@@ -18,7 +23,7 @@ class SpeculativeConfig:
     accepted tokens' stored inputs into it (SGLang's --enable-linear-replayssm-spec)."""
 
     algorithm: str = "NGRAM"
-    num_draft_tokens: int = 4
+    num_draft_tokens: int | None = None  # None: DEFAULT_NUM_DRAFT_TOKENS (DSPARK: DEFAULT_DSPARK_BLOCK_SIZE)
     draft_model_path: str | None = None
     dspark_block_size: int | None = None
     enable_linear_replayssm_spec: bool = False
@@ -46,6 +51,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_algorithm {algo} needs speculative_draft_model_path")
         if self.dspark_block_size is not None and algo == "DSPARK":
             self.num_draft_tokens = self.dspark_block_size
+        if self.num_draft_tokens is None:
+            self.num_draft_tokens = DEFAULT_DSPARK_BLOCK_SIZE if algo == "DSPARK" else DEFAULT_NUM_DRAFT_TOKENS
         if not 1 <= self.num_draft_tokens <= 64:
             raise ValueError(f"speculative_num_draft_tokens must be in 1..64, got {self.num_draft_tokens}")
         if not 1 <= self.ngram_min_match <= self.ngram_max_match:

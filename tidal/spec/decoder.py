@@ -33,7 +33,8 @@ from tidal.spec.rollback import ChainMemory
 
 
 # While the policy has steps decode plainly, one request drafts without verifying every this many
-# steps (a shadow draft: its acceptance keeps the policy's estimate of the text current).
+# steps, or every as many steps as the step has decoding sequences where that is more (a shadow
+# draft: its acceptance keeps the policy's estimate of the text current at a small cost).
 SHADOW_EVERY = 4
 RATE_WEIGHT = 0.5  # weight of the newest chain in a request's running acceptance
 PROBE_STEP = 0.02  # rate added per step a request backs off (about 10 steps from 0 to 0.25)
@@ -85,6 +86,7 @@ class SpecDecoder:
         # request id -> (request, its length, drafts, decoding sequences of the step)
         self._shadows: dict[str, tuple[Request, int, list[int], int]] = {}
         self._plain_steps = 0
+        self._next_shadow = SHADOW_EVERY
         # request id -> running acceptance of its chains (1.0 until it has one); below
         # config.min_accept_rate the request decodes plainly, the rate creeping back up each step.
         self._rate: dict[str, float] = {}
@@ -132,17 +134,18 @@ class SpecDecoder:
             batch.chain_memory = self.memory
 
     def _shadow(self, batch) -> None:
-        """Every SHADOW_EVERY-th plain step, draft for one decoding request (in turn) without
-        verifying; :meth:`_score_shadows` counts what the target then produced."""
+        """Now and then (SHADOW_EVERY) in a plain step, draft for one decoding request (in turn)
+        without verifying; :meth:`_score_shadows` counts what the target then produced."""
         self._plain_steps += 1
-        if self._plain_steps % SHADOW_EVERY:
+        if self._plain_steps < self._next_shadow:
             return
+        self._next_shadow = self._plain_steps + max(SHADOW_EVERY, decoding_count(batch))
         cands = [r for r, n, c in zip(batch.requests, batch.query_lens, batch.cached_lens)
                  if n == 1 and c == r.num_tokens - 1 and r.constraint is None and r.request_id not in self._shadows]
         k = self.config.num_draft_tokens
         if not cands:
             return
-        req = cands[(self._plain_steps // SHADOW_EVERY) % len(cands)]
+        req = cands[self._plain_steps % len(cands)]
         k = min(k, req.max_tokens - req.num_output_tokens - 1)
         if k < 1:
             return

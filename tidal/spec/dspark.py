@@ -141,10 +141,14 @@ def project(owner: nn.Module, x: torch.Tensor, name: str, *linears: nn.Linear) -
     ``owner`` until a weight changes; when training, each float32 Linear."""
     if not torch.is_inference_mode_enabled():
         return tuple(lin(x) for lin in linears)
-    weights = tuple(lin.weight for lin in linears)
-    w = derived_weight(owner, name, weights, lambda: torch.cat(weights).to(torch.bfloat16).contiguous())
-    y = dense.linear(x, w)
+    y = dense.linear(x, serving_weight(owner, name, *linears))
     return y.split([lin.out_features for lin in linears], dim=-1) if len(linears) > 1 else (y,)
+
+
+def serving_weight(owner: nn.Module, name: str, *linears: nn.Linear) -> torch.Tensor:
+    """The bfloat16 concatenation of ``linears``' weights :func:`project` multiplies by."""
+    weights = tuple(lin.weight for lin in linears)
+    return derived_weight(owner, name, weights, lambda: torch.cat(weights).to(torch.bfloat16).contiguous())
 
 
 class DraftLayer(nn.Module):
@@ -178,7 +182,11 @@ class DraftLayer(nn.Module):
         positions' ``angles``): a context position's are the same in every block that attends to it."""
         cfg = self.cfg
         shape = (*ctx.shape[:-1], cfg.num_heads, cfg.head_dim)
-        k, v = project(self, ctx, "_kv", self.k_proj, self.v_proj)
+        if torch.is_inference_mode_enabled():  # the k|v rows of the block's q|k|v weight (no second copy)
+            qkv = serving_weight(self, "_qkv", self.q_proj, self.k_proj, self.v_proj)
+            k, v = dense.linear(ctx, qkv[self.q_proj.out_features :]).chunk(2, dim=-1)
+        else:
+            k, v = self.k_proj(ctx), self.v_proj(ctx)
         k = apply_rope(rms_norm(k.reshape(shape), self.k_norm, cfg.rms_norm_eps), angles)
         return k, v.reshape(shape)
 

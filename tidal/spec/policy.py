@@ -54,7 +54,7 @@ class CostPolicy:
     min_samples: int = 3  # of each kind in a bucket before the costs decide
     accept_window: int = 32  # recent acceptance samples (speculative steps and shadow drafts)
     probe_every: int = 16  # steps of a bucket between runs of the losing kind, at least
-    probe_overhead: float = 0.02  # what probing may cost, as a fraction of the bucket's time
+    probe_overhead: float = 0.01  # what probing may cost, as a fraction of the bucket's time
     max_probe_every: int = 1024
     skip_first: bool = True  # a bucket's first step of each kind is not kept (first-use costs)
     samples: dict[tuple[int, bool], deque] = field(default_factory=dict)  # (seconds, sequences)

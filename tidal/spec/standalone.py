@@ -35,6 +35,12 @@ class StandaloneDrafter:
         self.device = next(model.parameters()).device
         self._states: dict[str, _DraftState] = {}
 
+    @property
+    def nbytes(self) -> int:
+        """The draft model's weights (the engine takes them out of the pool; the per-request draft
+        caches are not counted)."""
+        return sum(p.nbytes for p in self.model.parameters())
+
     @classmethod
     def from_path(cls, path: str, target_vocab_size: int, dtype: torch.dtype,
                   device: torch.device) -> "StandaloneDrafter":
