@@ -40,7 +40,7 @@ def _applies(*tensors: torch.Tensor) -> bool:
     grad = torch.is_grad_enabled()
     # use_triton is one answer for all CPU tensors (the interpreter's switch): asked once per call.
     return fused_decode_enabled() and all(
-        t.device.type == "cpu" and t.dtype in _DTYPES and not (grad and t.requires_grad) for t in tensors
+        t.is_cpu and t.dtype in _DTYPES and not (grad and t.requires_grad) for t in tensors
     ) and not use_triton(tensors[0])
 
 
@@ -67,7 +67,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         return None
     if weight is not None and (not weight.is_contiguous() or weight.numel() != x.shape[-1]):
         return None
-    rows = x.reshape(-1, x.shape[-1])
+    flat = x.dim() == 2  # decode's rows: no reshape and view around the call
+    rows = x if flat else x.reshape(-1, x.shape[-1])
     if rows.stride(1) != 1:
         return None
     fn = rms_norm_kernel()
@@ -77,7 +78,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     fn(_ptr(rows), rows.stride(0), _ptr(out), out.stride(0), _ptr(weight) if weight is not None else None,
        int(weight is not None and weight.dtype == torch.bfloat16), rows.shape[0], rows.shape[1], eps,
        int(x.dtype == torch.bfloat16), torch.get_num_threads())
-    return out.view(x.shape)
+    return out if flat else out.view(x.shape)
 
 
 def gated_activation(gate: torch.Tensor, up: torch.Tensor, situ_betas: tuple[float, float] | None
@@ -115,7 +116,7 @@ def router(
     if fn is None:
         return None
     T = x.shape[0]
-    bias = _float32(bias.detach())
+    bias = _float32(bias)  # only its values are read
     ids = torch.empty(T, k, dtype=torch.int64)
     weights = torch.empty(T, k, dtype=torch.float32)
     if fn(_ptr(x), x.stride(0), int(x.dtype == torch.bfloat16), T, x.shape[1], _ptr(weight),
