@@ -7,7 +7,7 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
-from tidal.model.layers import FusedWeights, compute_dtype, derived_weight, fuse_linears, linear, rms_norm
+from tidal.model.layers import Conv1d, FusedWeights, compute_dtype, derived_weight, fuse_linears, linear, rms_norm
 from tidal.ops import backends, batch_invariant, dense, fused_decode
 from tidal.ops.kda import (
     CHUNK,
@@ -43,9 +43,9 @@ class KimiDeltaAttention(nn.Module):
         self.q_proj = linear(d, P)
         self.k_proj = linear(d, P)
         self.v_proj = linear(d, P)
-        self.q_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
-        self.k_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
-        self.v_conv1d = nn.Conv1d(P, P, W, groups=P, bias=False)
+        self.q_conv1d = Conv1d(P, P, W, groups=P, bias=False)
+        self.k_conv1d = Conv1d(P, P, W, groups=P, bias=False)
+        self.v_conv1d = Conv1d(P, P, W, groups=P, bias=False)
         self.f_a_proj = linear(d, K)
         self.f_b_proj = linear(K, P)
         self.b_proj = linear(d, H)
