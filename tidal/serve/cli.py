@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative decoding (NGRAM: prompt lookup; STANDALONE: a small draft model of the "
                         "same tokenizer; DSPARK: a block drafter on the target's hidden states)")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                   help="tokens drafted per request and step (the verified chain is one longer; default 4)")
+                   help="tokens drafted per request and step (the verified chain is one longer; default 4, DSPARK 7)")
     p.add_argument("--speculative-draft-model-path", default=None, help="the draft model (STANDALONE, DSPARK)")
     p.add_argument("--speculative-dspark-block-size", type=int, default=None, help="DSPARK's block size")
     p.add_argument("--enable-linear-replayssm-spec", action="store_true",

@@ -11,7 +11,7 @@ IMPLEMENTED = ("NGRAM", "STANDALONE", "DSPARK")
 # --speculative-dspark-block-size is given: a DSPARK block costs about the same to draft at any
 # size, so it drafts more than the per-token drafters (benchmarks/bench_spec.py --k).
 DEFAULT_NUM_DRAFT_TOKENS = 4
-DEFAULT_DSPARK_BLOCK_SIZE = 4
+DEFAULT_DSPARK_BLOCK_SIZE = 7
 
 
 @dataclass
@@ -51,6 +51,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_algorithm {algo} needs speculative_draft_model_path")
         if self.dspark_block_size is not None and algo == "DSPARK":
             self.num_draft_tokens = self.dspark_block_size
+        # A defaulted DSPARK block is cut to the drafter's trained block size (tidal.spec.decoder).
+        self.default_num_draft_tokens = self.num_draft_tokens is None
         if self.num_draft_tokens is None:
             self.num_draft_tokens = DEFAULT_DSPARK_BLOCK_SIZE if algo == "DSPARK" else DEFAULT_NUM_DRAFT_TOKENS
         if not 1 <= self.num_draft_tokens <= 64:

@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tidal.cache.allocator import PoolAllocator
@@ -52,12 +54,14 @@ def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
         assert config.draft_model_path is not None
         return StandaloneDrafter.from_path(config.draft_model_path, vocab_size, dtype, device)
     if config.algorithm == "DSPARK":
-        from tidal.spec.dspark import DEFAULT_CONTEXT_REQUESTS, DsparkDrafter
+        from tidal.spec.dspark import DEFAULT_CONTEXT_REQUESTS, DsparkConfig, DsparkDrafter
 
         assert config.draft_model_path is not None
         if target is None or next(target.parameters()).device.type == "meta":
             raise ValueError("speculative_algorithm DSPARK needs the target model in the engine's process "
                              "(tp_size, ep_size and dcp_size 1)")
+        if getattr(config, "default_num_draft_tokens", False) and os.path.isdir(config.draft_model_path):
+            config.num_draft_tokens = min(config.num_draft_tokens, DsparkConfig.read(config.draft_model_path).block_size)
         return DsparkDrafter.from_path(config.draft_model_path, target, config.num_draft_tokens,
                                        max_requests or DEFAULT_CONTEXT_REQUESTS)
     raise ValueError(f"speculative_algorithm {config.algorithm} is not implemented")
