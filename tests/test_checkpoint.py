@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 from safetensors import safe_open
+from memory_maps import mapped_ranges
 from safetensors.torch import load_file, save_file
 
 from tidal import presets
@@ -347,18 +348,6 @@ def test_dense_mlp_under_transformers_name_loads_and_both_spellings_are_rejected
         load_model(tmp_path)
 
 
-def _mapped_from(files) -> list[tuple[int, int]]:
-    """Address ranges of this process's mappings of ``files`` (/proc/self/maps)."""
-    names = {str(f) for f in files}
-    ranges = []
-    for line in open("/proc/self/maps"):
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].strip() in names:
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            ranges.append((lo, hi))
-    return ranges
-
-
 def test_weights_whose_bytes_are_on_disk_are_views_of_the_mapped_file(tmp_path):
     """With use_mmap (the default) every weight whose checkpoint bytes are its bytes (bf16 on disk
     and in memory, stacked experts included) lies in a mapping of its shard; the model equals a
@@ -370,7 +359,7 @@ def test_weights_whose_bytes_are_on_disk_are_views_of_the_mapped_file(tmp_path):
     mapped = load_model(tmp_path, torch.bfloat16)
     copied = load_model(tmp_path, torch.bfloat16, use_mmap=False)
     assert_same_state(mapped.state_dict(), copied.state_dict())
-    ranges = _mapped_from(files)
+    ranges = mapped_ranges(files)
 
     def in_file(t: torch.Tensor) -> bool:
         return any(lo <= t.data_ptr() < hi for lo, hi in ranges)
@@ -396,7 +385,7 @@ def test_safetensors_load_strategy_of_the_engine(tmp_path):
     for strategy in ("lazy", "eager"):
         llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20,
                   safetensors_load_strategy=strategy)
-        ranges = _mapped_from(files)
+        ranges = mapped_ranges(files)
         weights = [p for p in llm.engine.model.parameters()]
         in_file = [any(lo <= p.data_ptr() < hi for lo, hi in ranges) for p in weights]
         assert any(in_file) if strategy == "lazy" else not any(in_file), strategy
@@ -431,7 +420,7 @@ def test_stacked_experts_are_strided_views_in_file_order_and_exact(tmp_path, cas
     mapped = load_model(tmp_path, dtype)
     copied = load_model(tmp_path, dtype, use_mmap=False)
     assert_same_state(mapped.state_dict(), copied.state_dict())
-    ranges = _mapped_from(files)
+    ranges = mapped_ranges(files)
 
     def in_file(t: torch.Tensor) -> bool:
         return any(lo <= t.data_ptr() < hi for lo, hi in ranges)

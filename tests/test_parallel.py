@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import parallel_ranks as pr  # noqa: E402
+from memory_maps import mapped_ranges  # noqa: E402
 from tidal.model.checkpoint import load_model  # noqa: E402
 from tidal.parallel.groups import Collectives, RankPlace  # noqa: E402
 from tidal.parallel.launch import run_ranks  # noqa: E402
@@ -126,7 +127,7 @@ def test_rank_experts_mapped_in_file_order_equal_the_copying_load(tmp_path) -> N
             copied = load_rank_model(ckpt, place, _solo(place), torch.bfloat16, use_mmap=False)
             m, c = mapped.state_dict(), copied.state_dict()
             assert m.keys() == c.keys() and all(torch.equal(m[k], c[k]) for k in m), (tp, ep, rank)
-            ranges = _mapped_ranges(files)
+            ranges = mapped_ranges(files)
             for experts in (x for x in mapped.modules() if isinstance(x, Experts)):
                 in_file = [any(lo <= w.data_ptr() < hi for lo, hi in ranges) for w in (experts.w1, experts.w3, experts.w2)]
                 if ep == 1:
@@ -135,17 +136,6 @@ def test_rank_experts_mapped_in_file_order_equal_the_copying_load(tmp_path) -> N
                     assert experts.slots is None and not any(in_file), (tp, ep, rank)
     for result in run_ranks(pr.mapped_and_copied_program, tp_size=2, args=(str(ckpt),), timeout_s=600):
         assert result["equal"] == [True] * 4 and all(s == FILE_ORDER for s in result["slots"]), result
-
-
-def _mapped_ranges(files) -> list[tuple[int, int]]:
-    names = {str(f) for f in files}
-    out = []
-    for line in open("/proc/self/maps"):
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].strip() in names:
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            out.append((lo, hi))
-    return out
 
 
 def _close(ref: dict, got: dict, where: str) -> None:
