@@ -29,34 +29,24 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w.t() (w [N, K]) in x's dtype."""
     if batch_invariant.enabled():
         return batch_invariant.linear(x, w)
-    if x.dtype == torch.float32 and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2 \
-            and w.stride(1) == 1 and x.numel() and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
-        kernel = bf16_gemm_kernel()
-        if kernel is not None:  # float32 rows times a bf16 weight: float32 out, the weight read once
-            return kernel(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
-        return F.linear(x, w.to(torch.float32))
-    if _row_by_row(x, w):
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.cat([F.linear(rows[i : i + 1], w) for i in range(rows.shape[0])])
-        return out.reshape(*x.shape[:-1], w.shape[0])
-    if (w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2
-            or w.stride(1) != 1 or x.numel() == 0
+    if (w.device.type != "cpu" or w.dim() != 2 or x.numel() == 0
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return F.linear(x, w)
-    kernel = bf16_rows_kernel()
-    if kernel is None:
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if w.dtype == torch.bfloat16 and w.stride(1) == 1 and x.dtype in (torch.float32, torch.bfloat16):
+        kernel = bf16_gemm_kernel() if x.dtype == torch.float32 else bf16_rows_kernel()
+        if kernel is None:
+            return F.linear(x, w.to(x.dtype))
+        out = kernel(rows, w)  # float32 rows: float32 out, the bf16 weight read once
+    elif _row_by_row(x, w):
+        out = torch.cat([F.linear(rows[i : i + 1], w) for i in range(rows.shape[0])])
+    else:
         return F.linear(x, w)
-    if x.dim() == 2:
-        return kernel(x, w)
-    return kernel(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w.shape[0])
 
 
 def _row_by_row(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if w.dtype != torch.float32 or x.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
-        return False
-    if w.stride(0) != 1 or w.numel() < ROW_BY_ROW_MIN_WEIGHT:  # input-major (inference_layout) only
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return False
+    """Few float32 rows against a large input-major (inference_layout) float32 CPU weight."""
     rows = x.numel() // max(1, x.shape[-1])
-    return 2 <= rows <= ROW_BY_ROW_MAX_ROWS
+    return (w.dtype == x.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2 and w.stride(0) == 1
+            and w.numel() >= ROW_BY_ROW_MIN_WEIGHT and 2 <= rows <= ROW_BY_ROW_MAX_ROWS)
