@@ -96,6 +96,29 @@ def test_greedy_equal_with_the_trained_drafter(model, trained, replay, budget):
     assert sum(1 for c in m.accept_length_counts if c) >= 2  # partial accepts: rollbacks
 
 
+@pytest.mark.parametrize("replay", METHODS)
+def test_greedy_equal_with_chains_cut_by_confidence(model, trained, replay):
+    """The policy verifies a drafted token only while the drafter's confidence, multiplied along
+    the block, stays at the least it asks for (here a fixed 0.01, the policy alternating chains and
+    plain steps): chains of several lengths, fewer drafted tokens than with every block verified
+    whole, outputs equal plain decoding either way."""
+    from tidal.spec.policy import CostPolicy
+
+    jobs = greedy_jobs(PROMPTS, (3, 24))
+    want = outputs(drive(make_engine(model), jobs))
+    drafted = {}
+    for least in (0.0, 0.01):
+        engine = make_engine(model, spec=dspark(trained, replay))
+        engine.spec.policy = CostPolicy(probe_every=1, max_probe_every=1, min_samples=1, skip_first=False,
+                                        confidence_floor=least, confidence_cap=least)
+        assert outputs(drive(engine, jobs)) == want, least
+        m = engine.spec.metrics
+        drafted[least] = m.num_drafted_tokens
+        assert m.num_chains > 5 and m.num_accepted_tokens > 0
+    assert drafted[0.01] < 0.8 * drafted[0.0], drafted
+    assert len({c for c in m.position_drafted}) >= 3, m.position_drafted  # cut at several lengths
+
+
 @pytest.mark.parametrize("replay, blocks", [(False, 6), (True, 6), (False, 64)])
 def test_preemption_and_prefix_hits_with_dspark(model, trained, replay, blocks):
     """A pool of a few requests (preemption, recompute: the drafter sees the recomputed positions
@@ -263,8 +286,10 @@ def test_cached_context_proposes_the_reference_tokens(model):
     all requests drafted in one pass) against the uncached reference, with a fresh random drafter
     (Markov head on): several steps, requests of different lengths (longer than the window: the
     ring wraps), prompts handed over only partly (gaps), requests leaving and others taking their
-    cache slots; every proposal is the same tokens. A request that finds every slot taken gets no
-    draft, and a request that left leaves its slot free."""
+    cache slots; every proposal is the same tokens, whether a position's keys/values were filled when
+    it was handed over (a prompt, a chain's several positions) or at the next draft (plain decodes,
+    steps without drafting in between). A request that finds every slot taken gets no draft, and a
+    request that left leaves its slot free."""
     from tidal.spec.dspark import DsparkReferenceDrafter
 
     cfg = drafter_config(model, num_layers=2, window=8)
@@ -282,9 +307,13 @@ def test_cached_context_proposes_the_reference_tokens(model):
         fast.observe_many(items)
         ref.observe_many(items)
 
+    def pending(rid):
+        return fast.cache.pending(torch.tensor([fast.cache.slot(rid)]))[0].numel()
+
     def join(rid, length, seen):
         tokens[rid] = [rng.randrange(model.config.vocab_size) for _ in range(length + 1)]
         hand_over([(rid, length - seen, seen)])  # the prompt's last `seen` positions (a tap window)
+        assert pending(rid) == 0  # a prefill's positions are filled as they are handed over
 
     join("a", 5, 5)
     join("b", 23, 6)
@@ -304,6 +333,7 @@ def test_cached_context_proposes_the_reference_tokens(model):
             assert (g is None) == (w is None), (step, rid)
             if g is not None:
                 assert g.tokens == w.tokens and len(g.tokens) == k, (step, rid, g.tokens, w.tokens)
+                assert g.confidence == pytest.approx(w.confidence, rel=1e-4, abs=1e-6), (step, rid)
                 compared += 1
                 proposed += len(set(g.tokens)) > 1
         news = []
@@ -312,6 +342,12 @@ def test_cached_context_proposes_the_reference_tokens(model):
             news.append((rid, len(ids) - 1, m_new))
             ids += [rng.randrange(model.config.vocab_size) for _ in range(m_new)]
         hand_over(news)
+        for rid, _, m_new in news:  # a chain's positions are filled now, a plain decode's at the next draft
+            assert pending(rid) == (1 if m_new == 1 else 0), (step, rid, m_new)
+        if step % 4 == 3:  # some steps decode plainly: single positions pile up, filled when drafting resumes
+            hand_over([(rid, len(ids) - 1, 1) for rid, ids in tokens.items()])
+            for ids in tokens.values():
+                ids.append(rng.randrange(model.config.vocab_size))
     assert compared >= 35 and proposed > compared // 2
     fast.observe_many([("e", 0, torch.randn(3, width, generator=gen))])  # every slot is taken
     assert fast.propose("e", [1, 2, 3, 4], 2) is None and ref.propose("e", [1, 2, 3, 4], 2) is None

@@ -41,6 +41,22 @@ def test_bucket_of():
     assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 64]
 
 
+def test_drafts_are_cut_where_their_chance_falls_below_a_positions_price():
+    """A draft's verified prefix ends before the first token whose chance of being reached (the
+    confidences multiplied) is below the least asked; the least grows with the batch (a verified
+    position costs more of a token's worth when the step is full), within floor and cap."""
+    from tidal.spec.decoder import confident_prefix
+    from tidal.spec.drafter import Draft
+
+    d = Draft([5, 6, 7, 8], confidence=[0.9, 0.5, 0.9, 0.2])
+    assert [confident_prefix(d, t) for t in (0.0, 0.4, 0.42, 0.5, 0.95)] == [4, 3, 2, 1, 0]
+    assert confident_prefix(Draft([5, 6]), 0.99) == 2  # no confidences (NGRAM): all verified
+    p = CostPolicy()
+    least = [p.min_confidence(n) for n in (1, 2, 8, 32, 256)]
+    assert least == sorted(least) and least[0] < 0.1 and least[2] > 0.2
+    assert p.confidence_floor <= least[0] and least[-1] == p.confidence_cap
+
+
 def test_the_recording_has_both_sides():
     """At one concurrency speculation is the faster choice, at another plain decoding is: the
     replay below tests both directions of the decision."""
@@ -152,7 +168,8 @@ def test_greedy_equal_when_the_policy_switches_mid_request(algorithm, tmp_path):
         kw = dict(draft_model_path=str(save_drafter(DsparkModel(drafter_config(model)).init_weights(1), tmp_path)),
                   dspark_block_size=3)
     engine = make_engine(model, spec=spec_config(algorithm, adaptive=True, **kw))
-    engine.spec.policy = CostPolicy(probe_every=1, max_probe_every=1, min_samples=1, skip_first=False)  # alternates
+    # alternates; every draft is verified (a random drafter is never sure of one)
+    engine.spec.policy = CostPolicy(probe_every=1, max_probe_every=1, min_samples=1, skip_first=False, confidence_cap=0.0)
     assert outputs(drive(engine, jobs)) == outputs(want)
     seen = engine.spec.policy.samples
     assert any(len(seen[(b, True)]) >= 3 and len(seen.get((b, False), ())) >= 3 for b, s in seen if s), seen

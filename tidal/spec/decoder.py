@@ -5,7 +5,9 @@
    the chain's extra memory is available now (free or evictable cache memory), in the steps the
    cost policy picks (:mod:`tidal.spec.policy`: where chains commit tokens faster than plain
    decoding, measured per batch size; the engine reports each step's time with
-   :meth:`SpecDecoder.record_step`).
+   :meth:`SpecDecoder.record_step`). A draft that carries the drafter's confidences is cut
+   where the chance of the target reaching the next token falls below what a verified position
+   costs at the step's batch size (:meth:`CostPolicy.min_confidence`).
 2. The step plan carries each chain's state slots (:meth:`ChainMemory.slots`); the worker's
    runner runs chains with the decode numerics (:mod:`tidal.spec.verify`) beside the
    step's decodes and prefills, and returns every chain position's logits.
@@ -67,6 +69,19 @@ def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
     raise ValueError(f"speculative_algorithm {config.algorithm} is not implemented")
 
 
+def confident_prefix(draft: Draft, least: float) -> int:
+    """How many of ``draft``'s tokens have a chance of at least ``least`` of being reached (the
+    drafter's confidences multiplied along the chain); all of them where it gives none."""
+    if draft.confidence is None or least <= 0.0:
+        return len(draft.tokens)
+    reach = 1.0
+    for j, p in enumerate(draft.confidence):
+        reach *= p
+        if reach < least:
+            return j
+    return len(draft.tokens)
+
+
 def decoding_count(batch) -> int:
     """The step's sequences that decode (one new token, or a chain)."""
     return sum(1 for b, n in enumerate(batch.query_lens) if n == 1 or b in batch.drafts)
@@ -123,16 +138,20 @@ class SpecDecoder:
             where.append((i, req, c, k))
             budget -= k
         drafts = propose_all(self.drafter, asks) if asks else []
+        least = self.policy.min_confidence(decoding_count(batch)) if self.policy is not None and drafts else 0.0
         for (i, req, c, k), draft in zip(where, drafts):
             if draft is None or not draft.tokens:
                 continue
-            tokens = draft.tokens[:k]
+            tokens = draft.tokens[: min(k, confident_prefix(draft, least))]
+            if not tokens:
+                continue
             if any(not 0 <= t < self.vocab_size for t in tokens):
                 raise ValueError(f"the drafter proposed a token outside the vocabulary: {tokens}")
             if not self.memory.acquire(req.request_id, c, 1 + len(tokens)):
                 continue
             probs = draft.probs[: len(tokens)] if draft.probs is not None else None
-            batch.drafts[i] = Draft(tokens, probs)
+            conf = draft.confidence[: len(tokens)] if draft.confidence is not None else None
+            batch.drafts[i] = Draft(tokens, probs, conf)
             batch.query_lens[i] = 1 + len(tokens)
         if batch.drafts:
             batch.chain_memory = self.memory
@@ -155,7 +174,9 @@ class SpecDecoder:
             return
         draft = propose_all(self.drafter, [(req.request_id, req.token_ids, k)])[0]
         n = decoding_count(batch)
-        if draft is None or not draft.tokens:
+        # what a speculative step would verify: the draft's prefix sure enough at this batch size
+        k = min(k, confident_prefix(draft, self.policy.min_confidence(n))) if draft is not None else 0
+        if draft is None or not draft.tokens or k < 1:
             self.policy.record_shadow(n, 1)  # a speculative step would commit its one token
         else:
             self._shadows[req.request_id] = (req, req.num_tokens, list(draft.tokens[:k]), n)

@@ -11,10 +11,13 @@ import torch
 @dataclass
 class Draft:
     """Drafted tokens for one request; ``probs`` [len(tokens), V] is the distribution each was
-    drawn from (None: chosen deterministically, q one-hot), which rejection sampling needs."""
+    drawn from (None: chosen deterministically, q one-hot), which rejection sampling needs.
+    ``confidence`` (one per token, None: unknown) is the drafter's own probability of each token
+    given the ones before it, which the speculation loop uses to choose how many to verify."""
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    confidence: list[float] | None = None
 
 
 class Drafter(Protocol):

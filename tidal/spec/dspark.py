@@ -394,29 +394,44 @@ class DsparkDrafter:
 
     @torch.inference_mode()
     def observe_many(self, items: Sequence[tuple[str, int, torch.Tensor]]) -> None:
-        """:meth:`observe` for several requests (each at most once): the rows are kept, their keys
-        and values computed when the request next drafts. Only a request's last ``window``
-        positions can be attended to, so earlier ones are not kept; a request that finds every
-        cache slot taken keeps no context (it does not speculate)."""
+        """:meth:`observe` for several requests (each at most once). Several positions of one
+        request (a prefill chunk, a verified chain) get their keys and values now, in one pass
+        over all such requests: the step that hands them over computes many tokens anyway, and
+        the request's first draft then has its context ready (filling every new prompt's context
+        at the first draft made that step the slowest of a run). A single position (a plain
+        decode) is only kept, its keys and values computed when the request next drafts: a step
+        that does not speculate costs one copy. Only a request's last ``window`` positions can
+        be attended to, so earlier ones are not kept; a request that finds every cache slot taken
+        keeps no context (it does not speculate)."""
         W = self.cfg.window
-        rows, slots, positions = [], [], []
+        rows, slots, positions, now = [], [], [], []
         for request_id, start, taps in items:
             n = taps.shape[0]
             slot = self.cache.slot(request_id, create=True) if n else None
             if slot is None:
                 continue
             keep = min(n, W)
+            now += [n > 1] * keep
             rows.append(taps[n - keep :])
             slots += [slot] * keep
             positions += range(start + n - keep, start + n)
-        if rows:
-            self.cache.stage(torch.tensor(slots, dtype=torch.long, device=self.device),
-                             torch.tensor(positions, dtype=torch.long, device=self.device),
-                             torch.cat(rows).to(self.device, torch.float32))
+        if not rows:
+            return
+        dev = self.device
+        slot_t, pos_t = torch.tensor(slots, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev)
+        taps_t = torch.cat(rows).to(dev, torch.float32)
+        self.cache.stage(slot_t, pos_t, taps_t)
+        if any(now):
+            eager = torch.tensor(now, dtype=torch.bool, device=dev)
+            self._project_rows(slot_t[eager] * W + pos_t[eager] % W, pos_t[eager], taps_t[eager])
 
     def _project(self, slots: torch.Tensor) -> None:
         """Compute the keys/values of the handed-over positions of ``slots`` not computed yet."""
-        rows, pos, taps = self.cache.pending(slots)
+        self._project_rows(*self.cache.pending(slots))
+
+    def _project_rows(self, rows: torch.Tensor, pos: torch.Tensor, taps: torch.Tensor) -> None:
+        """Flat cache ``rows`` [P] get every draft layer's keys/values of the tapped states
+        ``taps`` [P, n_taps * d] at positions ``pos`` [P] (each row's independent of the others)."""
         if rows.numel():
             ctx = self.model.context(taps)
             angles = rope_angles(pos, self.cfg.head_dim, self.cfg.rope_theta)
@@ -464,12 +479,15 @@ class DsparkDrafter:
         prev = torch.tensor([x[4] for x in live], dtype=torch.long, device=dev)
         h = self.model.forward_cached(self._embed(prev), anchor_pos, block, kv, valid)
         base = self._logits(h.reshape(-1, h.shape[-1])).view(len(live), block, -1)
-        drafted = []
+        drafted, best = [], []
         for j in range(block):  # the Markov head: each slot's bias comes from the previous draft
-            prev = (base[:, j] + self.model.markov_bias(prev)).argmax(dim=-1)
+            base[:, j] += self.model.markov_bias(prev)
+            top, prev = base[:, j].max(dim=-1)
             drafted.append(prev)
-        for (i, _, _, k, _), tokens in zip(live, torch.stack(drafted, dim=1).tolist()):
-            out[i] = Draft(tokens[:k])
+            best.append(top)
+        confidence = (torch.stack(best, dim=1) - base.logsumexp(dim=-1)).exp()  # the drafts' own probabilities
+        for (i, _, _, k, _), tokens, conf in zip(live, torch.stack(drafted, dim=1).tolist(), confidence.tolist()):
+            out[i] = Draft(tokens[:k], confidence=conf[:k])
         return out
 
     def forget(self, request_id: str) -> None:
@@ -532,12 +550,14 @@ class DsparkReferenceDrafter(DsparkDrafter):
         h = self.model(ctx, pos, st.have[lo:hi][None], anchor, torch.tensor([n - 1], device=dev), k)[0]
         base = self._logits(h)  # [k, V]
         tokens: list[int] = []
+        confidence: list[float] = []
         prev = int(token_ids[-1])
         for j in range(k):
             logits = base[j] + self.model.markov_bias(torch.tensor(prev, device=dev))
             prev = int(logits.argmax())
             tokens.append(prev)
-        return Draft(tokens)
+            confidence.append(float(logits.double().softmax(dim=-1)[prev]))
+        return Draft(tokens, confidence=confidence)
 
     def forget(self, request_id: str) -> None:
         self._ctx.pop(request_id, None)

@@ -1,10 +1,11 @@
 """The DSPARK drafter's context cache: every draft layer's keys and values of each request's
 committed context positions, each computed once.
 
-The target hands positions over every step (their tapped hidden states), but their keys and
-values are only computed when the request next drafts (:meth:`DraftContextCache.pending`): a
-step that does not speculate (the cost policy chose plain decoding) costs one copy of the rows,
-and the context is complete whenever speculation resumes.
+The target hands positions over every step (their tapped hidden states). Several positions of a
+request at once (a prefill chunk, a verified chain) get their keys and values at once; a plain
+decode's single position only when the request next drafts (:meth:`DraftContextCache.pending`):
+a step that does not speculate (the cost policy chose plain decoding) costs one copy of the
+rows, and the context is complete whenever speculation resumes.
 
 A request owns one of ``max_requests`` slots, allocated at start (their bytes are counted before
 the pool is sized). A slot is a ring of ``window`` rows: position p lives in row p % window, and

@@ -23,6 +23,17 @@ many drafted tokens the target then produced), so the acceptance of the current 
 known at the cost of a draft. A step speculates when chain time per sequence / tokens per
 sequence is below the plain time per sequence.
 
+How long a chain is verified is decided per drafted token: verifying one more position costs
+about the same whether it is accepted or not, and pays a token only if every draft up to it is
+accepted. The drafter's own probability of each draft given the ones before, multiplied along
+the chain, is roughly the chance the target reaches that position; a position is verified while
+that chance is at least the price of a verified position over the worth of a committed token
+(``min_confidence``). A decode step costs a fixed part (weights read, kernels launched) plus a
+part per token, so a token's worth is the fixed part shared by the step's n sequences plus one
+token's work, and a position's price is about one token's work: their ratio is n / (n +
+``step_overhead``), with ``step_overhead`` the fixed part in tokens of work (cheap alone, dear
+when the step is full). The choice per bucket (above) still decides whether drafting pays at all.
+
 A bucket measures both kinds of step first, alternating, ``min_samples`` each, except that
 speculation is not tried first in a bucket above one where it lost (a verified chain only gets
 more expensive relative to a decode as the batch grows). After that the losing kind is run
@@ -57,6 +68,9 @@ class CostPolicy:
     probe_overhead: float = 0.01  # what probing may cost, as a fraction of the bucket's time
     max_probe_every: int = 1024
     skip_first: bool = True  # a bucket's first step of each kind is not kept (first-use costs)
+    step_overhead: float = 16.0  # a decode step's fixed cost, in tokens of work
+    confidence_floor: float = 0.02  # drafts below this chance of being reached are never verified
+    confidence_cap: float = 0.9  # the surest drafts are always verified (the bucket choice measures them)
     samples: dict[tuple[int, bool], deque] = field(default_factory=dict)  # (seconds, sequences)
     acceptance: dict[int, deque] = field(default_factory=dict)  # per bucket: (tokens committed, sequences)
     steps: dict[int, int] = field(default_factory=dict)
@@ -92,6 +106,13 @@ class CostPolicy:
             self._warm.add((b, speculated))
             return
         self._of(b, speculated).append((seconds, num_decodes))
+
+    def min_confidence(self, num_decodes: int) -> float:
+        """The least chance of being reached (the drafter's confidence, multiplied along the
+        chain) a drafted token needs to be verified in a step of ``num_decodes`` sequences (see
+        the module docstring)."""
+        ratio = num_decodes / (num_decodes + self.step_overhead)
+        return min(self.confidence_cap, max(self.confidence_floor, ratio))
 
     def record_shadow(self, num_decodes: int, tokens: float) -> None:
         """A shadow draft in a step of ``num_decodes`` sequences: a chain would have committed
