@@ -317,7 +317,7 @@ def test_cached_context_proposes_the_reference_tokens(model):
 
     join("a", 5, 5)
     join("b", 23, 6)
-    proposed = compared = 0
+    proposed = compared = cut = 0
     for step in range(14):
         if step == 3:
             join("c", 11, 11)
@@ -328,11 +328,14 @@ def test_cached_context_proposes_the_reference_tokens(model):
             join("d", 2, 2)
             assert fast.cache.num_free == 0
         asks = [(rid, list(ids), rng.randint(1, BLOCK)) for rid, ids in tokens.items()]
-        got, want = fast.propose_many(asks), ref.propose_many(asks)
+        least = [0.0, 0.0, 1e-3, 1e-4][step % 4]  # cuts blocks: this drafter is unsure (about 0.04 a token)
+        got, want = fast.propose_many(asks, least), ref.propose_many(asks, least)
         for (rid, _, k), g, w in zip(asks, got, want):
             assert (g is None) == (w is None), (step, rid)
             if g is not None:
-                assert g.tokens == w.tokens and len(g.tokens) == k, (step, rid, g.tokens, w.tokens)
+                assert g.tokens == w.tokens and len(g.tokens) <= k, (step, rid, g.tokens, w.tokens)
+                assert len(g.tokens) == k or least > 0
+                cut += len(g.tokens) < k
                 assert g.confidence == pytest.approx(w.confidence, rel=1e-4, abs=1e-6), (step, rid)
                 compared += 1
                 proposed += len(set(g.tokens)) > 1
@@ -348,7 +351,7 @@ def test_cached_context_proposes_the_reference_tokens(model):
             hand_over([(rid, len(ids) - 1, 1) for rid, ids in tokens.items()])
             for ids in tokens.values():
                 ids.append(rng.randrange(model.config.vocab_size))
-    assert compared >= 35 and proposed > compared // 2
+    assert compared >= 35 and proposed > compared // 3 and 3 <= cut < compared // 2, (compared, proposed, cut)
     fast.observe_many([("e", 0, torch.randn(3, width, generator=gen))])  # every slot is taken
     assert fast.propose("e", [1, 2, 3, 4], 2) is None and ref.propose("e", [1, 2, 3, 4], 2) is None
     for rid in list(tokens):

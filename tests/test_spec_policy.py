@@ -57,6 +57,30 @@ def test_drafts_are_cut_where_their_chance_falls_below_a_positions_price():
     assert p.confidence_floor <= least[0] and least[-1] == p.confidence_cap
 
 
+def test_a_large_loss_is_decided_on_one_step_and_a_tie_decodes_plainly():
+    """Above one sequence, one step of each kind (after the first, not kept) decides against
+    chains that cost twice a plain token; at one sequence the bucket explores fully; a
+    speculative token cheaper by less than the margin does not win."""
+    def explore(num_decodes, spec_seconds, plain_seconds, tokens):
+        p = CostPolicy()
+        choices = []
+        for _ in range(12):
+            s = p.speculate(num_decodes)
+            choices.append(s)
+            p.record(num_decodes, s, spec_seconds if s else plain_seconds, tokens if s else num_decodes)
+        return p, choices
+
+    p, choices = explore(32, 0.3, 0.07, 48)  # 1.5 tokens a sequence at 4.3x the time: 2.9x a token
+    assert choices[:4] == [True, True, False, False] and not any(choices[4:]), choices
+    assert p.winner(32) is False
+    p, choices = explore(1, 0.09, 0.03, 1)  # alone: explored min_samples times each
+    assert sum(choices[:8]) == 4 and p.winner(1) is False
+    p, _ = explore(8, 0.0995, 0.05, 16)  # 2 tokens per sequence at 1.99x the time: within the margin
+    assert p.winner(8) is False
+    p, _ = explore(8, 0.09, 0.05, 16)
+    assert p.winner(8) is True
+
+
 def test_the_recording_has_both_sides():
     """At one concurrency speculation is the faster choice, at another plain decoding is: the
     replay below tests both directions of the decision."""

@@ -30,7 +30,7 @@ from tidal.engine.request import Request
 from tidal.engine.sampler import SampleResult, SampleRow
 from tidal.spec.accept import accept_chain, chain_rows
 from tidal.spec.config import SpeculativeConfig
-from tidal.spec.drafter import Draft, Drafter, NgramDrafter, propose_all
+from tidal.spec.drafter import Draft, Drafter, NgramDrafter, confident_prefix, propose_all
 from tidal.spec.metrics import SpecMetrics
 from tidal.spec.policy import CostPolicy
 from tidal.spec.rollback import ChainMemory
@@ -67,19 +67,6 @@ def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
         return DsparkDrafter.from_path(config.draft_model_path, target, config.num_draft_tokens,
                                        max_requests or DEFAULT_CONTEXT_REQUESTS)
     raise ValueError(f"speculative_algorithm {config.algorithm} is not implemented")
-
-
-def confident_prefix(draft: Draft, least: float) -> int:
-    """How many of ``draft``'s tokens have a chance of at least ``least`` of being reached (the
-    drafter's confidences multiplied along the chain); all of them where it gives none."""
-    if draft.confidence is None or least <= 0.0:
-        return len(draft.tokens)
-    reach = 1.0
-    for j, p in enumerate(draft.confidence):
-        reach *= p
-        if reach < least:
-            return j
-    return len(draft.tokens)
 
 
 def decoding_count(batch) -> int:
@@ -137,8 +124,8 @@ class SpecDecoder:
             asks.append((req.request_id, req.token_ids, k))
             where.append((i, req, c, k))
             budget -= k
-        drafts = propose_all(self.drafter, asks) if asks else []
-        least = self.policy.min_confidence(decoding_count(batch)) if self.policy is not None and drafts else 0.0
+        least = self.policy.min_confidence(decoding_count(batch)) if self.policy is not None else 0.0
+        drafts = propose_all(self.drafter, asks, least) if asks else []
         for (i, req, c, k), draft in zip(where, drafts):
             if draft is None or not draft.tokens:
                 continue
@@ -172,10 +159,10 @@ class SpecDecoder:
         k = min(k, req.max_tokens - req.num_output_tokens - 1)
         if k < 1:
             return
-        draft = propose_all(self.drafter, [(req.request_id, req.token_ids, k)])[0]
         n = decoding_count(batch)
-        # what a speculative step would verify: the draft's prefix sure enough at this batch size
-        k = min(k, confident_prefix(draft, self.policy.min_confidence(n))) if draft is not None else 0
+        least = self.policy.min_confidence(n)  # a speculative step would verify the prefix sure enough
+        draft = propose_all(self.drafter, [(req.request_id, req.token_ids, k)], least)[0]
+        k = min(k, confident_prefix(draft, least)) if draft is not None else 0
         if draft is None or not draft.tokens or k < 1:
             self.policy.record_shadow(n, 1)  # a speculative step would commit its one token
         else:

@@ -30,13 +30,28 @@ class Drafter(Protocol):
         ...
 
 
-def propose_all(drafter: Drafter, asks: Sequence[tuple[str, Sequence[int], int]]) -> list[Draft | None]:
+def propose_all(drafter: Drafter, asks: Sequence[tuple[str, Sequence[int], int]],
+                min_reach: float = 0.0) -> list[Draft | None]:
     """The drafts for several (request, its tokens, drafts wanted): in one call where the drafter
-    batches them (``propose_many``), else one request at a time."""
+    batches them (``propose_many``, which may stop drafting a block once no token past it would
+    be verified: see :func:`confident_prefix`), else one request at a time."""
     many = getattr(drafter, "propose_many", None)
     if many is not None:
-        return many(asks)
+        return many(asks, min_reach)
     return [drafter.propose(*ask) for ask in asks]
+
+
+def confident_prefix(draft: Draft, least: float) -> int:
+    """How many of ``draft``'s tokens have a chance of at least ``least`` of being reached (the
+    drafter's confidences multiplied along the chain); all of them where it gives none."""
+    if draft.confidence is None or least <= 0.0:
+        return len(draft.tokens)
+    reach = 1.0
+    for j, p in enumerate(draft.confidence):
+        reach *= p
+        if reach < least:
+            return j
+    return len(draft.tokens)
 
 
 @dataclass

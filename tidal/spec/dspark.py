@@ -39,7 +39,7 @@ from torch import nn
 from tidal.model.layers import derived_weight, rms_norm
 from tidal.ops import dense
 from tidal.spec.dspark_cache import DraftContextCache
-from tidal.spec.drafter import Draft
+from tidal.spec.drafter import Draft, confident_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -448,14 +448,20 @@ class DsparkDrafter:
         head = derived_weight(self, "_lm_head", (w,), lambda: w.detach().to(torch.bfloat16).contiguous())
         return dense.linear(h.to(torch.float32), head)
 
-    def propose(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> Draft | None:
-        return self.propose_many([(request_id, token_ids, num_tokens)])[0]
+    def propose(self, request_id: str, token_ids: Sequence[int], num_tokens: int,
+                min_reach: float = 0.0) -> Draft | None:
+        return self.propose_many([(request_id, token_ids, num_tokens)], min_reach)[0]
 
     @torch.inference_mode()
-    def propose_many(self, asks: Sequence[tuple[str, Sequence[int], int]]) -> list[Draft | None]:
+    def propose_many(self, asks: Sequence[tuple[str, Sequence[int], int]], min_reach: float = 0.0
+                     ) -> list[Draft | None]:
         """A block for each (request, its tokens, drafts wanted), all in one pass; None where a
         request has no context yet. Every request runs the largest block asked for: the slots are
-        causal, so a request's first tokens are those of its own block size."""
+        causal, so a request's first tokens are those of its own block size. Each block is cut
+        before its first token whose chance of being reached is below ``min_reach``
+        (:func:`confident_prefix`), and the slots are drafted one at a time (LM head, Markov
+        head), stopping at the first slot no block reaches: in a full batch, where only sure
+        tokens are verified, most of the vocabulary-wide work is never done."""
         out: list[Draft | None] = [None] * len(asks)
         live = [(i, slot, len(ids), min(k, self.cfg.block_size), int(ids[-1])) for i, (rid, ids, k) in enumerate(asks)
                 if len(ids) >= 2 and k >= 1 and (slot := self.cache.slot(rid)) is not None]
@@ -478,16 +484,23 @@ class DsparkDrafter:
         block = max(x[3] for x in live)
         prev = torch.tensor([x[4] for x in live], dtype=torch.long, device=dev)
         h = self.model.forward_cached(self._embed(prev), anchor_pos, block, kv, valid)
-        base = self._logits(h.reshape(-1, h.shape[-1])).view(len(live), block, -1)
-        drafted, best = [], []
+        drafted, confidence = [], []
+        reach = torch.ones(len(live), device=dev)
         for j in range(block):  # the Markov head: each slot's bias comes from the previous draft
-            base[:, j] += self.model.markov_bias(prev)
-            top, prev = base[:, j].max(dim=-1)
+            logits = self._logits(h[:, j].contiguous()) + self.model.markov_bias(prev)
+            top, prev = logits.max(dim=-1)
+            conf = (top - logits.logsumexp(dim=-1)).exp()  # the draft's own probability
             drafted.append(prev)
-            best.append(top)
-        confidence = (torch.stack(best, dim=1) - base.logsumexp(dim=-1)).exp()  # the drafts' own probabilities
-        for (i, _, _, k, _), tokens, conf in zip(live, torch.stack(drafted, dim=1).tolist(), confidence.tolist()):
-            out[i] = Draft(tokens[:k], confidence=conf[:k])
+            confidence.append(conf)
+            reach = reach * conf
+            # (a margin: the cut itself is confident_prefix's, in float64)
+            if min_reach > 0.0 and not bool((reach >= min_reach * (1 - 1e-3)).any()):
+                break
+        for (i, _, _, k, _), tokens, conf in zip(live, torch.stack(drafted, dim=1).tolist(),
+                                                 torch.stack(confidence, dim=1).tolist()):
+            draft = Draft(tokens[:k], confidence=conf[:k])
+            cut = confident_prefix(draft, min_reach)
+            out[i] = Draft(draft.tokens[:cut], confidence=draft.confidence[:cut])
         return out
 
     def forget(self, request_id: str) -> None:
@@ -531,8 +544,13 @@ class DsparkReferenceDrafter(DsparkDrafter):
             st.have[start:end] = True
 
     @torch.inference_mode()
-    def propose_many(self, asks: Sequence[tuple[str, Sequence[int], int]]) -> list[Draft | None]:
-        return [self._propose(*ask) for ask in asks]
+    def propose_many(self, asks: Sequence[tuple[str, Sequence[int], int]], min_reach: float = 0.0
+                     ) -> list[Draft | None]:
+        out = []
+        for ask in asks:  # every token of the block drafted, then cut
+            d = self._propose(*ask)
+            out.append(d if d is None else Draft(d.tokens[: (c := confident_prefix(d, min_reach))], confidence=d.confidence[:c]))
+        return out
 
     def _propose(self, request_id: str, token_ids: Sequence[int], num_tokens: int) -> Draft | None:
         n, W = len(token_ids), self.cfg.window

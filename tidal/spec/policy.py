@@ -21,7 +21,8 @@ the steps that speculated, and shadow drafts (``record_shadow``: while the
 engine decodes plainly it drafts for one request now and then without verifying, and counts how
 many drafted tokens the target then produced), so the acceptance of the current text stays
 known at the cost of a draft. A step speculates when chain time per sequence / tokens per
-sequence is below the plain time per sequence.
+sequence is below the plain time per sequence by ``margin`` (near a tie, and in the tail of a
+batch whose sequences speculated apart, plain decoding is the safe choice).
 
 How long a chain is verified is decided per drafted token: verifying one more position costs
 about the same whether it is accepted or not, and pays a token only if every draft up to it is
@@ -68,6 +69,8 @@ class CostPolicy:
     probe_overhead: float = 0.01  # what probing may cost, as a fraction of the bucket's time
     max_probe_every: int = 1024
     skip_first: bool = True  # a bucket's first step of each kind is not kept (first-use costs)
+    margin: float = 0.03  # speculation must be this much cheaper per token to be chosen
+    decisive: float = 2.0  # a loss this large is decided on one step of each kind (see winner)
     step_overhead: float = 16.0  # a decode step's fixed cost, in tokens of work
     confidence_floor: float = 0.02  # drafts below this chance of being reached are never verified
     confidence_cap: float = 0.9  # the surest drafts are always verified (the bucket choice measures them)
@@ -84,11 +87,13 @@ class CostPolicy:
         n = self.steps[b] = self.steps.get(b, 0) + 1
         spec, plain = len(self._of(b, True)), len(self._of(b, False))
         lost_below = self._loss_below(b)
-        if plain < self.min_samples and (spec >= self.min_samples or lost_below or plain < spec):
-            return False
-        if spec < self.min_samples and lost_below is None:
-            return True
-        best = self.winner(b) if spec >= self.min_samples else False
+        best = self.winner(b)
+        if best is None:
+            if plain < self.min_samples and (spec >= self.min_samples or lost_below or plain < spec):
+                return False
+            if spec < self.min_samples and lost_below is None:
+                return True
+            best = False
         if n >= self._next_probe.setdefault(b, n + self.probe_interval(b)):
             self._next_probe[b] = n + self.probe_interval(b)
             return not best
@@ -137,10 +142,21 @@ class CostPolicy:
         return per_unit(got) / (self.tokens_per_sequence(bucket) if speculated else 1.0)
 
     def winner(self, bucket: int) -> bool | None:
-        """True: speculating is the cheaper in ``bucket``; None: not measured enough."""
-        if len(self._of(bucket, True)) < self.min_samples or len(self._of(bucket, False)) < self.min_samples:
+        """True: speculating is the cheaper in ``bucket`` (by ``margin``); None: not measured
+        enough. Above one sequence, one step of each kind decides against speculating where its
+        token costs ``decisive`` times a plain one (exploring more would cost more than noise
+        could explain; a lone sequence explores fully: its chains are the cheapest, its first
+        ones often the least accepted)."""
+        spec, plain = self._of(bucket, True), self._of(bucket, False)
+        if not spec or not plain:
             return None
-        self._last[bucket] = self.seconds_per_token(bucket, True) < self.seconds_per_token(bucket, False)
+        a, c = self.seconds_per_token(bucket, True), self.seconds_per_token(bucket, False)
+        if len(spec) < self.min_samples or len(plain) < self.min_samples:
+            if bucket == 1 or a < self.decisive * c:
+                return None
+            self._last[bucket] = False
+            return False
+        self._last[bucket] = a < c * (1.0 - self.margin)
         return self._last[bucket]
 
     def loss(self, bucket: int) -> float | None:
