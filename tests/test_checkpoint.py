@@ -398,13 +398,16 @@ def test_safetensors_load_strategy_of_the_engine(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["kimi_linear_bf16", "kimi_linear_grouped_bf16", "k3_dense_bf16", "k3_dense_fp32"])
-def test_stacked_experts_are_strided_views_in_file_order_and_exact(tmp_path, case):
+def test_stacked_experts_are_strided_views_in_file_order_and_exact(tmp_path, case, monkeypatch):
     """12 experts: the file holds them in the names' order (0, 1, 10, 11, 2, ...). Mapped, each
     stacked expert weight is a strided view of the file in that order (Experts.slots); the state_dict
     is in expert order and equals a copying load; greedy tokens and prompt logprobs of a batch mixing
     prefills and decodes equal the copying load's (float32: the C grouped kernel on the strided
-    weights; bf16: the per-expert matmuls); a write to a weight never reaches the file."""
+    weights; bf16: the per-expert matmuls); a write to a weight never reaches the file. bf16 experts
+    stay in the file through the serving prep (gate and up unfused), with the tokens and logprobs of
+    the fused copy that prep made before."""
     from tidal import LLM, SamplingParams
+    from tidal.model import moe
     from tidal.model.moe import Experts
 
     if case.startswith("kimi_linear"):
@@ -453,14 +456,84 @@ def test_stacked_experts_are_strided_views_in_file_order_and_exact(tmp_path, cas
     prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 7 * i))} for i in range(3)] + [{"prompt_token_ids": [9]}]
     params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=0)
     outs = {}
-    for strategy in ("lazy", "eager"):
+    for strategy in ("lazy", "eager", "eager, gate and up fused"):
+        if strategy.endswith("fused"):
+            monkeypatch.setattr(moe, "GATE_UP_APART_DTYPES", ())
         llm = LLM(str(tmp_path), dtype=str(dtype).removeprefix("torch."), skip_tokenizer_init=True,
-                  kv_cache_memory_bytes=8 << 20, safetensors_load_strategy=strategy, max_num_batched_tokens=48)
+                  kv_cache_memory_bytes=8 << 20, safetensors_load_strategy=strategy.split(",")[0],
+                  max_num_batched_tokens=48)
+        served = [m for m in llm.engine.model.modules() if isinstance(m, Experts)]
+        fused = dtype == torch.float32 or strategy.endswith("fused")
+        assert all((m.w13 is not None) == fused for m in served), strategy
+        if strategy == "lazy" and not fused:  # prep left the experts in the file's mapping
+            ranges = mapped_ranges(files)
+            assert all(in_file(getattr(m, w)) for m in served for w in ("w1", "w2", "w3"))
         outs[strategy] = [(o.outputs[0].token_ids, o.prompt_logprobs)
                           for o in [*llm.generate(prompts, params), *llm.generate(prompts[1:2], params)]]
         del llm  # the lone request decodes one token per step (Experts._one_token)
-    assert outs["lazy"] == outs["eager"]
+    assert outs["lazy"] == outs["eager"] == outs["eager, gate and up fused"]
 
 
 def _w2_name(model, experts) -> str:
     return next(n for n, m in model.named_modules() if m is experts) + ".w2"
+
+
+def test_writer_keeps_each_layers_routed_experts_in_one_shard(tmp_path):
+    """save_model cuts shards between tensors but never among one layer's routed experts, so every
+    stacked expert weight of a sharded checkpoint is mapped (a cut among them leaves it copied)."""
+    from tidal.model.moe import Experts
+
+    config = ModelConfig.from_dict(presets.tiny_kimi_linear_dict(num_experts=12))
+    save_model(random_model(config), tmp_path, max_shard_bytes=200 << 10)
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    files_of: dict[str, set[str]] = {}
+    for name, file in weight_map.items():
+        if ".experts." in name:
+            files_of.setdefault(name.split(".experts.")[0], set()).add(file)
+    assert len(set(weight_map.values())) >= 4 and files_of  # the old cut split 3 of the layers here
+    assert all(len(files) == 1 for files in files_of.values()), files_of
+    mapped = load_model(tmp_path, torch.bfloat16)
+    ranges = mapped_ranges(sorted(tmp_path.glob("*.safetensors")))
+    for m in mapped.modules():
+        if isinstance(m, Experts):
+            assert all(any(lo <= getattr(m, w).data_ptr() < hi for lo, hi in ranges) for w in ("w1", "w2", "w3"))
+
+
+def test_each_stacked_expert_weight_is_mapped_on_its_own(tmp_path):
+    """Another writer's shards: layer 1's w3 experts lie in two files after its w1 and w2. w1 and
+    w2 are mapped (slots in file order), w3 is copied into the same slots; the state equals the
+    copying load and greedy tokens and prompt logprobs equal it too."""
+    from tidal import LLM, SamplingParams
+    from tidal.model.moe import Experts
+
+    config = ModelConfig.from_dict(presets.tiny_kimi_linear_dict(num_experts=12))
+    save_model(random_model(config), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    stem = "model.layers.1.block_sparse_moe.experts"
+    w3 = [f"{stem}.{e}.w3.weight" for e in range(12)]
+    parts = {"a.safetensors": [n for n in tensors if n not in w3], "b.safetensors": w3[:5], "c.safetensors": w3[5:]}
+    for file, names in parts.items():
+        save_file({n: tensors[n] for n in names}, str(tmp_path / file), metadata={"format": "pt"})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: file for file, names in parts.items() for n in names}}))
+    mapped = load_model(tmp_path, torch.bfloat16)
+    copied = load_model(tmp_path, torch.bfloat16, use_mmap=False)
+    assert_same_state(mapped.state_dict(), copied.state_dict())
+    ranges = mapped_ranges(sorted(tmp_path.glob("*.safetensors")))
+
+    def in_file(t: torch.Tensor) -> bool:
+        return any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+
+    layer = mapped.model.layers[1].block_sparse_moe.experts
+    assert isinstance(layer, Experts) and layer.slots == [0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3]
+    assert in_file(layer.w1) and in_file(layer.w2) and not in_file(layer.w3)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 30 + 5 * i))} for i in range(2)]
+    params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=0)
+    outs = []
+    for strategy in ("lazy", "eager"):
+        llm = LLM(str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, kv_cache_memory_bytes=8 << 20,
+                  safetensors_load_strategy=strategy)
+        outs.append([(o.outputs[0].token_ids, o.prompt_logprobs) for o in llm.generate(prompts, params)])
+        del llm
+    assert outs[0] == outs[1]

@@ -349,3 +349,23 @@ def test_attn_res_against_spec_formula():
         a = torch.softmax(torch.stack(s), 0)
         torch.testing.assert_close(out[t], sum(ai * v for ai, v in zip(a, cands)))
     assert attn_res(partial, [], wn, wp, eps) is partial
+
+
+@pytest.mark.parametrize("preset", ["kimi_linear", "k3"])
+def test_bf16_experts_keep_gate_and_up_apart_with_the_fused_bits(preset, monkeypatch):
+    """fuse_weights leaves 16-bit CPU experts' w1 and w3 apart (no copy of them); their outputs
+    are those of the fused [E, 2I, d] weight bit for bit, for one token and for batches."""
+    config = tiny_k3(num_experts=8, top_k=3) if preset == "k3" else tiny_kimi_linear(num_experts=8, top_k=3)
+    apart = init_weights(KimiMoE(config), seed=21).to(torch.bfloat16)
+    fused = copy.deepcopy(apart)
+    w1 = apart.experts.w1.data_ptr()
+    _fuse(apart)
+    assert apart.experts.w13 is None and apart.experts.w1.data_ptr() == w1
+    monkeypatch.setattr(moe_module, "GATE_UP_APART_DTYPES", ())
+    _fuse(fused)
+    assert fused.experts.w13 is not None
+    gen = torch.Generator().manual_seed(22)
+    with torch.inference_mode():
+        for T in (1, 3, 17, 600):
+            x = torch.randn(T, config.hidden_size, generator=gen).to(torch.bfloat16)
+            assert torch.equal(apart(x), fused(x)), T

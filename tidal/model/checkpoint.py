@@ -32,7 +32,7 @@ from tidal.config import EXPERT_FORMATS, ConfigError, ModelConfig, parse_dtype
 from tidal.model.kimi import FP32_PARAMS, KimiForCausalLM
 from tidal.model.layers import compute_dtype
 from tidal.model.moe import PackedExperts, pack_experts
-from tidal.model.mapped import MappedFiles
+from tidal.model.mapped import MappedFiles, coalesce
 from tidal.model.readahead import read_ahead, read_block, read_budget
 from tidal.ops.mxfp import BLOCK, E8M0_NAN, dequantize_mxfp4, quantize_mxfp4
 
@@ -541,8 +541,7 @@ def load_model(
             for name in ckpt.file_order(list(layout)):
                 spec, src = layout[name]
                 if name in views:  # mapped: the load reads its pages into the page cache
-                    direct.add(name)
-                    yield name, 0, functools.partial(ckpt.mapped.populate, views[name])
+                    yield name, 0, views[name]
                     continue
                 dest = _destination(model, targets, filled, ckpt, name, spec, src, keep_packed, device, slots)
                 if dest is not None:  # read straight into the model: no buffer in flight
@@ -552,7 +551,11 @@ def load_model(
                     yield name, spec.nbytes, functools.partial(ckpt.read, name)
 
         budget = read_budget(sum(spec.nbytes for spec, _ in layout.values()))
-        for name, tensor in read_ahead(reads(), budget):  # later tensors are read while this one converts
+        for name, tensor in read_ahead(coalesce(reads(), ckpt.mapped), budget):  # later tensors are read while this one converts
+            if isinstance(name, tuple):  # a span of mapped weights, populated
+                for t in tensor:
+                    progress.add(t)
+                continue
             spec, src = layout[name]
             progress.add(tensor)
             if name in direct:
@@ -630,40 +633,46 @@ def map_experts(ckpt: _Checkpoint, targets: dict[str, torch.Tensor], filled: dic
     safetensors sorts a file's tensors by name, so an expert's w1, w2 and w3 lie back to back and
     the experts follow each other in the names' order (0, 1, 10, 11, ..., 2, ...).
     One weight of every expert is then a run of equal size at a constant stride: a [E, out, in] view
-    with dim 0 in file order, expert e at slots[e]. ``rows``: checkpoint name -> the [start, stop)
-    rows a rank holds of it, or None where its part is not a row range; absent: the whole matrix.
-    A weight whose experts are not so placed (another dtype, another file, a column slice under
-    tensor parallelism) is left to the copying load, which writes expert e at slots[e] too."""
+    with dim 0 in file order, expert e at slots[e]. Each weight (w1, w2, w3) is mapped on its own, so
+    a module whose weights a shard boundary separates still maps every weight held in one file.
+    ``rows``: checkpoint name -> the [start, stop) rows a rank holds of it, or None where its part is
+    not a row range; absent: the whole matrix. A weight whose experts are not so placed (another
+    dtype, two files, a column slice under tensor parallelism, another order than the module's other
+    weights) is left to the copying load, which writes expert e at slots[e] too."""
     slots_of: dict[str, list[int]] = {}
     for module, leaves in experts.items():
-        names = [n for by_expert in leaves.values() for n in by_expert]
-        files = {ckpt.where[n] for n in names}
-        if len(files) != 1:
+        order: list[int] | None = None
+        plans: dict[str, tuple[str, int, int, int]] = {}
+        for leaf, by_expert in leaves.items():
+            files = {ckpt.where[n] for n in by_expert}
+            if len(files) != 1:
+                continue
+            leaf_order = sorted(range(len(by_expert)), key=lambda e: ckpt.info(by_expert[e])[0])
+            if order is not None and leaf_order != order:
+                continue
+            plan = _strided(ckpt, [by_expert[e] for e in leaf_order], rows, targets[f"{module}.{leaf}"])
+            if plan is not None:
+                order = leaf_order
+                plans[leaf] = (files.pop(), *plan)
+        if order is None:
             continue
-        key = next(iter(leaves.values()))
-        order = sorted(range(len(key)), key=lambda e: ckpt.info(key[e])[0])
         slots = [0] * len(order)
         for pos, e in enumerate(order):
             slots[e] = pos
-        plans = {leaf: plan for leaf, by_expert in leaves.items()
-                 if (plan := _strided(ckpt, [by_expert[e] for e in order], rows, targets[f"{module}.{leaf}"]))}
-        dtypes = {targets[f"{module}.{leaf}"].dtype for leaf in plans}
-        if not plans or len(dtypes) != 1:
-            continue
-        dtype = dtypes.pop()
-        lo = min(first for first, _, _ in plans.values())
-        hi = max(first + (len(order) - 1) * stride + run for first, stride, run in plans.values())
-        span = ckpt.mapped.view(ckpt.root / files.pop(), lo, hi - lo, ((hi - lo) // dtype.itemsize,), dtype)
-        if span is None:
-            continue
-        for leaf, (first, stride, run) in plans.items():
+        mapped = False
+        for leaf, (file, first, stride, run) in plans.items():
             target = targets[f"{module}.{leaf}"]
-            view = span.as_strided((len(order), *target.shape[1:]), (stride // dtype.itemsize, target.shape[2], 1),
-                                   (first - lo) // dtype.itemsize)
+            isz = target.dtype.itemsize
+            nbytes = (len(order) - 1) * stride + run
+            span = ckpt.mapped.view(ckpt.root / file, first, nbytes, (nbytes // isz,), target.dtype)
+            if span is None:
+                continue
+            view = span.as_strided((len(order), *target.shape[1:]), (stride // isz, target.shape[2], 1))
             filled[f"{module}.{leaf}"] = view
             for e, name in enumerate(leaves[leaf]):
                 views[name] = view[slots[e]]
-        if order != sorted(order):
+            mapped = True
+        if mapped and order != sorted(order):
             slots_of[module] = slots
     return slots_of
 
@@ -798,18 +807,32 @@ def _config_json(config: ModelConfig) -> dict[str, Any]:
 
 
 def _shards(layout: dict[str, tuple[TensorSpec, _Source]], max_bytes: int | None) -> list[list[str]]:
-    """Tensors in layout order, cut greedily so each shard stays under max_bytes (a bigger tensor
-    gets a shard of its own)."""
+    """Tensors in layout order, cut greedily so each shard stays under max_bytes (a bigger unit
+    gets a shard of its own). A unit is one tensor, or all the routed experts of one layer: their
+    file then lays each stacked weight's experts at one stride, which the loader maps as one view
+    (``map_experts``), where a cut among them would leave that layer's experts to the copying load."""
     if max_bytes is None:
         return [list(layout)]
+    units: list[list[str]] = []
+    unit_of_module: dict[str, list[str]] = {}
+    for name, (spec, src) in layout.items():
+        if src.expert is None:
+            units.append([name])
+            continue
+        module = src.param.rpartition(".")[0]
+        if module not in unit_of_module:
+            unit_of_module[module] = []
+            units.append(unit_of_module[module])
+        unit_of_module[module].append(name)
     shards: list[list[str]] = [[]]
     size = 0
-    for name, (spec, _) in layout.items():
-        if shards[-1] and size + spec.nbytes > max_bytes:
+    for unit in units:
+        nbytes = sum(layout[name][0].nbytes for name in unit)
+        if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(name)
-        size += spec.nbytes
+        shards[-1].extend(unit)
+        size += nbytes
     return shards
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -35,6 +37,7 @@ class MappedFiles:
     def __init__(self) -> None:
         self.maps: dict[Path, mmap.mmap] = {}
         self.populate_works = True
+        self._populating = threading.Lock()
 
     def view(self, path: Path, offset: int, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """The ``nbytes`` at ``offset`` of ``path`` as a tensor of ``shape`` and ``dtype`` sharing the
@@ -53,14 +56,21 @@ class MappedFiles:
     def populate(self, t: torch.Tensor) -> torch.Tensor:
         """Read ``t``'s pages from the file and map them now (not at the first forward pass);
         returns ``t``. Where the kernel has no MADV_POPULATE_READ, asks for read-ahead instead."""
-        start = t.data_ptr() // PAGE * PAGE
-        length = t.data_ptr() + t.numel() * t.element_size() - start
-        if self.populate_works:
-            if _madvise(start, length, _MADV_POPULATE_READ) == 0:
-                return t
-            self.populate_works = False
-        _madvise(start, length, _MADV_WILLNEED)
+        self.populate_span(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
         return t
+
+    def populate_span(self, start: int, end: int) -> None:
+        """:meth:`populate` of the mapped addresses [start, end). The span's reads are first queued
+        all at once (MADV_WILLNEED: asynchronous read-ahead of the whole span, which a caller on
+        another thread issues while the span before is still being mapped), then its pages are
+        mapped one span at a time: a fault alone would read one read-around window and wait."""
+        start = start // PAGE * PAGE
+        _madvise(start, end - start, _MADV_WILLNEED)
+        if not self.populate_works:
+            return
+        with self._populating:
+            if _madvise(start, end - start, _MADV_POPULATE_READ) != 0:
+                self.populate_works = False
 
     def _map(self, path: Path) -> mmap.mmap:
         m = self.maps.get(path)
@@ -82,3 +92,51 @@ def _madvise(start: int, length: int, advice: int) -> int:
     if _LIBC is None:
         _LIBC = ctypes.CDLL(None, use_errno=True)
     return _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice)
+
+
+# A run of mapped weights is populated in spans of at most this many bytes (progress is reported per span).
+SPAN_BYTES = 64 << 20
+
+Job = tuple[object, int, Callable[[], object]]
+
+
+def coalesce(jobs: Iterable[tuple[str, int, Callable[[], torch.Tensor] | torch.Tensor]], mapped: MappedFiles
+             ) -> Iterator[Job]:
+    """The read jobs ``(name, nbytes, read)`` of a load (``tidal.model.readahead.read_ahead``) where a
+    job whose third item is a tensor (a contiguous view of ``mapped``: its pages to populate) joins the
+    views before it that end where it starts: one job per run of adjacent views, keyed by the tuple
+    of their names, whose result is the tuple of views (safetensors stores tensors back to back, so
+    a file of mapped weights is a few spans, populated in file order)."""
+    names: list[str] = []
+    views: list[torch.Tensor] = []
+    start = end = 0
+
+    def flush() -> Job:
+        span, kept = (start, end), tuple(views)
+        names_now = tuple(names)
+        names.clear()
+        views.clear()
+
+        def populate() -> tuple[torch.Tensor, ...]:
+            mapped.populate_span(*span)
+            return kept
+
+        return names_now, 0, populate
+
+    for name, nbytes, job in jobs:
+        if not isinstance(job, torch.Tensor):
+            if names:
+                yield flush()
+            yield name, nbytes, job
+            continue
+        lo = job.data_ptr()
+        hi = lo + job.numel() * job.element_size()
+        if names and not (lo == end and hi - start <= SPAN_BYTES):
+            yield flush()
+        if not names:
+            start = lo
+        names.append(name)
+        views.append(job)
+        end = hi
+    if names:
+        yield flush()

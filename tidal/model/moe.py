@@ -145,6 +145,19 @@ class Router(nn.Module):
         return derived_weight(self, f"_weight_{ct}", (w,), lambda: w.to(ct))
 
 
+# Stacked expert weights of these dtypes keep gate (w1) and up (w3) apart on the CPU: each product
+# there (tidal.ops.dense's C kernel; torch's matmul at one row) gives every output the same bits from
+# w1 and w3 apart as from their concatenation, so fusing would buy one call per expert and cost a copy
+# of 2/3 of the experts' bytes into new memory, out of the file mapping where the load left them
+# (the file keeps each expert's w2 between its w1 and w3).
+GATE_UP_APART_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def keeps_gate_up_apart(w1: torch.Tensor) -> bool:
+    """Whether stacked gate weights ``w1`` (and their up weights) run as two products, unfused."""
+    return w1.device.type == "cpu" and w1.dtype in GATE_UP_APART_DTYPES
+
+
 def group_by_expert(
     ids: torch.Tensor, local: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, list[int], list[int]]:
@@ -235,8 +248,10 @@ class Experts(nn.Module):
     def fuse_weights(self) -> None:
         """Keep w1 and w3 as the two halves of one [E, 2I, d_e] tensor, so each expert's gate and up
         projections are one matmul (see :class:`FusedWeights`; w1/w3 become strided views; a stale
-        one is fused again). Parametrised (QAT) experts are left alone."""
-        if self.w13 is None and not parametrize.is_parametrized(self):
+        one is fused again), where a kernel wants them so: on the GPU and for the float32 C grouped
+        matmul. 16-bit experts on the CPU stay apart (:func:`keeps_gate_up_apart`). Parametrised
+        (QAT) experts are left alone."""
+        if self.w13 is None and not parametrize.is_parametrized(self) and not keeps_gate_up_apart(self.w1):
             self._w13 = FusedWeights([(self, "w1"), (self, "w3")])
 
     @property

@@ -18,6 +18,7 @@ from tidal.model.checkpoint import (
     _one_thread, _Source, _stacked_experts, expert_slot, map_experts, read_config, resolve_quantization,
 )
 from tidal.model.kimi import KimiForCausalLM
+from tidal.model.mapped import coalesce
 from tidal.model.moe import Experts, PackedExperts
 from tidal.model.readahead import read_ahead, read_budget
 from tidal.ops.mxfp import dequantize_mxfp4
@@ -94,8 +95,7 @@ def load_rank_model(
                     filled[src.param] = view
                 view = views.get(name, view)
                 if view is not None:  # mapped: the load reads its pages into the page cache
-                    direct.add(name)
-                    yield name, 0, functools.partial(ckpt.mapped.populate, view)
+                    yield name, 0, view
                     continue
                 dest = None if whole else _destination(model, targets, filled, ckpt, name, spec, src, where,
                                                        keep_packed, device, slots)
@@ -106,7 +106,12 @@ def load_rank_model(
                     yield name, part, functools.partial(ckpt.read, name, None if whole else where)
 
         budget = read_budget(sum(part for _, _, part, _ in plan))
-        for name, tensor in read_ahead(reads(), budget):  # later slices are read while this one converts
+        for name, tensor in read_ahead(coalesce(reads(), ckpt.mapped), budget):  # later slices are read while this one converts
+            if isinstance(name, tuple):  # a span of mapped weights, populated
+                nbytes += sum(t.numel() * t.element_size() for t in tensor)
+                if progress is not None:
+                    progress(nbytes)
+                continue
             spec, src = layout[name]
             module_name, _, leaf = src.param.rpartition(".")
             where = wheres[name]
@@ -191,4 +196,4 @@ def _put_expert(experts: torch.nn.Module, leaf: str, e: int, part: str, tensor: 
         pending[(param, e)] = tensor
         return
     packed, scales = (tensor, other) if part == "packed" else (other, tensor)
-    out[e].copy_(dequantize_mxfp4(packed, scales, target.dtype))
+    out[e].copy_(dequantize_mxfp4(packed, scales, out.dtype))
