@@ -404,10 +404,11 @@ def test_stacked_experts_are_strided_views_in_file_order_and_exact(tmp_path, cas
     is in expert order and equals a copying load; greedy tokens and prompt logprobs of a batch mixing
     prefills and decodes equal the copying load's (float32: the C grouped kernel on the strided
     weights; bf16: the per-expert matmuls); a write to a weight never reaches the file. bf16 experts
-    stay in the file through the serving prep (gate and up unfused), with the tokens and logprobs of
-    the fused copy that prep made before."""
+    and projections stay in the file through the serving prep (gate and up, and KDA's and MLA's
+    input projections, unfused), with the tokens and logprobs of the fused copies prep made before."""
     from tidal import LLM, SamplingParams
-    from tidal.model import moe
+    from tidal.model import layers
+    from tidal.model.kda import KimiDeltaAttention
     from tidal.model.moe import Experts
 
     if case.startswith("kimi_linear"):
@@ -458,16 +459,20 @@ def test_stacked_experts_are_strided_views_in_file_order_and_exact(tmp_path, cas
     outs = {}
     for strategy in ("lazy", "eager", "eager, gate and up fused"):
         if strategy.endswith("fused"):
-            monkeypatch.setattr(moe, "GATE_UP_APART_DTYPES", ())
+            monkeypatch.setattr(layers, "APART_DTYPES", ())
         llm = LLM(str(tmp_path), dtype=str(dtype).removeprefix("torch."), skip_tokenizer_init=True,
                   kv_cache_memory_bytes=8 << 20, safetensors_load_strategy=strategy.split(",")[0],
                   max_num_batched_tokens=48)
         served = [m for m in llm.engine.model.modules() if isinstance(m, Experts)]
         fused = dtype == torch.float32 or strategy.endswith("fused")
         assert all((m.w13 is not None) == fused for m in served), strategy
-        if strategy == "lazy" and not fused:  # prep left the experts in the file's mapping
+        kda = [m for m in llm.engine.model.modules() if isinstance(m, KimiDeltaAttention)]
+        assert kda and all((m.in_proj is not None) == fused for m in kda), strategy
+        if strategy == "lazy" and not fused:  # prep left every weight in the file's mapping
             ranges = mapped_ranges(files)
             assert all(in_file(getattr(m, w)) for m in served for w in ("w1", "w2", "w3"))
+            linears = [(n, m.weight) for n, m in llm.engine.model.named_modules() if isinstance(m, torch.nn.Linear)]
+            assert all(in_file(w) for _, w in linears), [n for n, w in linears if not in_file(w)][:3]
         outs[strategy] = [(o.outputs[0].token_ids, o.prompt_logprobs)
                           for o in [*llm.generate(prompts, params), *llm.generate(prompts[1:2], params)]]
         del llm  # the lone request decodes one token per step (Experts._one_token)

@@ -106,3 +106,48 @@ def test_float32_rows_times_a_bf16_weight(kernel):
     assert torch.equal(got.reshape(6, 70), kernel(x.reshape(6, 200), w))
     ref = x.double() @ w.double().t()
     assert torch.allclose(got.double(), ref, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 130])
+def test_parts_product_has_the_concatenated_weights_bits(kernel, rows):
+    """linear_parts(x, ws) == linear(x, cat(ws)) bit for bit (float32 and bf16 rows, parts of odd
+    sizes, strided parts, 1 and 2 threads), against float64 within rounding; without the C kernel,
+    past 8 parts or under batch invariance, each part's product concatenated."""
+    gen = torch.Generator().manual_seed(rows)
+    K, sizes = 203, [48, 7, 130, 1, 50, 3]
+    base = torch.randn(sum(sizes) + 9, K + 5, generator=gen).bfloat16()
+    ws, at = [], 0
+    for n in sizes:
+        ws.append(base[at:at + n, 2:K + 2])  # rows contiguous, row stride K + 5
+        at += n
+    threads = torch.get_num_threads()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, K, generator=gen).to(dtype)
+        want = dense.linear(x, torch.cat(ws))
+        ref = x.double() @ torch.cat(ws).double().t()
+        assert torch.allclose(want.double(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            try:
+                assert torch.equal(dense.linear_parts(x, ws), want), (dtype, n_threads)
+            finally:
+                torch.set_num_threads(threads)
+        assert torch.equal(dense.linear_parts(x.unsqueeze(0), ws)[0], want)
+    x = torch.randn(rows, K, generator=gen)
+    many = ws + ws[:3]  # 9 parts: past the kernel's limit, product by product
+    assert torch.equal(dense.linear_parts(x, many), dense.linear(x, torch.cat(many)))
+
+
+def test_parts_product_declines_what_the_kernel_does_not_take(monkeypatch):
+    calls = []
+    monkeypatch.setattr(dense, "bf16_parts_kernel", lambda: calls.append(1) or None)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 16, generator=gen)
+    for ws in ([torch.randn(4, 16, generator=gen), torch.randn(5, 16, generator=gen)],  # float32 weights
+               [torch.randn(4, 16, generator=gen).half(), torch.randn(5, 16, generator=gen).half()]):
+        assert torch.equal(dense.linear_parts(x.to(ws[0].dtype), ws),
+                           torch.cat([dense.linear(x.to(ws[0].dtype), w) for w in ws], dim=-1))
+    assert not calls
+    bf = [torch.randn(4, 16, generator=gen).bfloat16(), torch.randn(5, 16, generator=gen).bfloat16()]
+    got = dense.linear_parts(x, bf)  # the kernel "unavailable": each part's product
+    assert calls and torch.equal(got, torch.cat([dense.linear(x, w) for w in bf], dim=-1))

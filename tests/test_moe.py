@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tidal.config import ModelConfig
-from tidal.model import moe as moe_module
+from tidal.model import layers, moe as moe_module
 from tidal.model.attn_res import attn_res
 from tidal.model.checkpoint import load_model, save_model
 from tidal.model.init import init_weights
@@ -353,17 +353,18 @@ def test_attn_res_against_spec_formula():
 
 @pytest.mark.parametrize("preset", ["kimi_linear", "k3"])
 def test_bf16_experts_keep_gate_and_up_apart_with_the_fused_bits(preset, monkeypatch):
-    """fuse_weights leaves 16-bit CPU experts' w1 and w3 apart (no copy of them); their outputs
-    are those of the fused [E, 2I, d] weight bit for bit, for one token and for batches."""
+    """fuse_weights leaves 16-bit CPU experts' w1 and w3 (and the shared experts' gate and up)
+    apart, with no copy; the outputs are those of the fused weights bit for bit, for one token and
+    for batches."""
     config = tiny_k3(num_experts=8, top_k=3) if preset == "k3" else tiny_kimi_linear(num_experts=8, top_k=3)
     apart = init_weights(KimiMoE(config), seed=21).to(torch.bfloat16)
     fused = copy.deepcopy(apart)
     w1 = apart.experts.w1.data_ptr()
     _fuse(apart)
-    assert apart.experts.w13 is None and apart.experts.w1.data_ptr() == w1
-    monkeypatch.setattr(moe_module, "GATE_UP_APART_DTYPES", ())
+    assert apart.experts.w13 is None and apart.experts.w1.data_ptr() == w1 and apart.shared_experts.gate_up is None
+    monkeypatch.setattr(layers, "APART_DTYPES", ())
     _fuse(fused)
-    assert fused.experts.w13 is not None
+    assert fused.experts.w13 is not None and fused.shared_experts.gate_up is not None
     gen = torch.Generator().manual_seed(22)
     with torch.inference_mode():
         for T in (1, 3, 17, 600):

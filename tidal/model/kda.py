@@ -65,7 +65,7 @@ class KimiDeltaAttention(nn.Module):
     def fuse_weights(self) -> None:
         """Make the projections of x (q, k, v, f_a, the output gate's first matrix, b) row views of
         one tensor, so a step runs one matmul for all of them; parameters and state_dict keep their
-        names and values."""
+        names and values. 16-bit CPU weights stay apart (``layers.keeps_apart``): one parts product."""
         gate = self.g_proj if self.config.kda_full_rank_gate else self.g_a_proj
         self.in_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj])
 
@@ -75,9 +75,10 @@ class KimiDeltaAttention(nn.Module):
         if fused is not None:
             sizes = self.in_proj.sizes  # q, k, v (taken together), f_a, gate, b
             return dense.linear(x, fused).split([sum(sizes[:3]), *sizes[3:]], dim=-1)
-        gate = self.g_proj(x) if self.config.kda_full_rank_gate else self.g_a_proj(x)
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        return qkv, self.f_a_proj(x), gate, self.b_proj(x)
+        gate = self.g_proj if self.config.kda_full_rank_gate else self.g_a_proj
+        ws = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj)]
+        sizes = [w.shape[0] for w in ws]
+        return dense.linear_parts(x, ws).split([sum(sizes[:3]), *sizes[3:]], dim=-1)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; updates this layer's states of the step's sequences in

@@ -151,7 +151,23 @@ class FusedWeights:
         return [m._parameters.get(name) for m, name in self.params]
 
 
-def fuse_linears(linears: list[nn.Linear]) -> FusedWeights:
+# Weights of these dtypes stay apart on the CPU where serving would fuse the projections of one
+# input: ``tidal.ops.dense.linear_parts`` multiplies them as one product whose every output has the
+# fused tensor's bits (a float16 weight: each part's own product, the same per-output sums), so a
+# fused copy would buy nothing and cost a copy of the weights out of the checkpoint's mapping into
+# memory the process never touched before.
+APART_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def keeps_apart(weight: torch.Tensor) -> bool:
+    """Whether projections of one input with weights like ``weight`` stay apart (not fused) at serving."""
+    return weight.device.type == "cpu" and weight.dtype in APART_DTYPES
+
+
+def fuse_linears(linears: list[nn.Linear]) -> FusedWeights | None:
     """The weights of bias-free linears reading the same input as one :class:`FusedWeights`, stored
-    in ``inference_layout`` (its views are then not contiguous and later relayouts leave them alone)."""
+    in ``inference_layout`` (its views are then not contiguous and later relayouts leave them alone);
+    None where they stay apart (:func:`keeps_apart`)."""
+    if keeps_apart(linears[0].weight):
+        return None
     return FusedWeights([(m, "weight") for m in linears], inference_layout)

@@ -48,7 +48,8 @@ class KimiMLA(nn.Module):
 
     def fuse_weights(self) -> None:
         """Make the projections of x (q or q_a, kv_a, the output gate) row views of one tensor: one
-        matmul per step for all of them; parameters and state_dict keep their names and values."""
+        matmul per step for all of them; parameters and state_dict keep their names and values.
+        16-bit CPU weights stay apart (``layers.keeps_apart``): one parts product."""
         first = self.q_proj if self.config.q_lora_rank is None else self.q_a_proj
         parts = [first, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.config.mla_use_output_gate else [])
         self.in_proj = fuse_linears(parts)
@@ -59,9 +60,10 @@ class KimiMLA(nn.Module):
         if fused is not None:
             first, kv, *gate = dense.linear(x, fused).split(self.in_proj.sizes, dim=-1)
         else:
-            first = self.q_proj(x) if self.config.q_lora_rank is None else self.q_a_proj(x)
-            kv = self.kv_a_proj_with_mqa(x)
-            gate = [self.g_proj(x)] if self.config.mla_use_output_gate else []
+            parts = [self.q_proj if self.config.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa]
+            parts += [self.g_proj] if self.config.mla_use_output_gate else []
+            ws = [m.weight for m in parts]
+            first, kv, *gate = dense.linear_parts(x, ws).split([w.shape[0] for w in ws], dim=-1)
         q = first if self.config.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(first))
         return q, kv, (gate[0] if gate else None)
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from tidal.config import ModelConfig
-from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, derived_weight, fuse_linears, linear
+from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, derived_weight, fuse_linears, keeps_apart, linear
 from tidal.ops import backends, batch_invariant
 from tidal.ops.activation import can_overwrite, situ, swiglu
 from tidal.ops import dense, fused_decode, mxfp4_moe
@@ -98,6 +98,8 @@ class KimiMLP(nn.Module):
             gu = project(x, gate_up)
             inter = gate_up.shape[0] // 2
             gate, up = gu[..., :inter], gu[..., inter:]
+        elif keeps_apart(self.gate_proj.weight):  # one product of both, as fused (tidal.ops.dense.linear_parts)
+            gate, up = dense.linear_parts(x, [self.gate_proj.weight, self.up_proj.weight]).tensor_split(2, dim=-1)
         else:
             gate, up = project(x, self.gate_proj.weight), project(x, self.up_proj.weight)
         return project(activate(self.config, gate, up), self.down_proj.weight).contiguous()
@@ -143,19 +145,6 @@ class Router(nn.Module):
         if w.dtype == ct or (torch.is_grad_enabled() and w.requires_grad):
             return w.to(ct)
         return derived_weight(self, f"_weight_{ct}", (w,), lambda: w.to(ct))
-
-
-# Stacked expert weights of these dtypes keep gate (w1) and up (w3) apart on the CPU: each product
-# there (tidal.ops.dense's C kernel; torch's matmul at one row) gives every output the same bits from
-# w1 and w3 apart as from their concatenation, so fusing would buy one call per expert and cost a copy
-# of 2/3 of the experts' bytes into new memory, out of the file mapping where the load left them
-# (the file keeps each expert's w2 between its w1 and w3).
-GATE_UP_APART_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def keeps_gate_up_apart(w1: torch.Tensor) -> bool:
-    """Whether stacked gate weights ``w1`` (and their up weights) run as two products, unfused."""
-    return w1.device.type == "cpu" and w1.dtype in GATE_UP_APART_DTYPES
 
 
 def group_by_expert(
@@ -249,9 +238,10 @@ class Experts(nn.Module):
         """Keep w1 and w3 as the two halves of one [E, 2I, d_e] tensor, so each expert's gate and up
         projections are one matmul (see :class:`FusedWeights`; w1/w3 become strided views; a stale
         one is fused again), where a kernel wants them so: on the GPU and for the float32 C grouped
-        matmul. 16-bit experts on the CPU stay apart (:func:`keeps_gate_up_apart`). Parametrised
-        (QAT) experts are left alone."""
-        if self.w13 is None and not parametrize.is_parametrized(self) and not keeps_gate_up_apart(self.w1):
+        matmul. 16-bit experts on the CPU stay apart (``layers.keeps_apart``: the file keeps each
+        expert's w2 between its w1 and w3, so fusing would copy 2/3 of the experts' bytes out of
+        the checkpoint's mapping). Parametrised (QAT) experts are left alone."""
+        if self.w13 is None and not parametrize.is_parametrized(self) and not keeps_apart(self.w1):
             self._w13 = FusedWeights([(self, "w1"), (self, "w3")])
 
     @property
@@ -312,8 +302,11 @@ class Experts(nn.Module):
         """The experts' outputs for x, whose rows are sorted by expert (counts[i] rows of experts[i])."""
         rows = x.split(counts)
         at = [self._at(e) for e in experts]
-        parts = [torch.cat([project(r, w[s]) for s, r in zip(at, rows)]) for w in gate_up]
-        gate, up = parts[0].tensor_split(2, dim=1) if len(parts) == 1 else parts
+        if len(gate_up) == 2 and keeps_apart(gate_up[0]):  # each expert's gate and up as one product, as fused
+            gate_up = [torch.cat([dense.linear_parts(r, [gate_up[0][s], gate_up[1][s]]) for s, r in zip(at, rows)])]
+        else:
+            gate_up = [torch.cat([project(r, w[s]) for s, r in zip(at, rows)]) for w in gate_up]
+        gate, up = gate_up[0].tensor_split(2, dim=1) if len(gate_up) == 1 else gate_up
         act = activate(self.config, gate, up).split(counts)
         return torch.cat([project(a, w2[s]) for s, a in zip(at, act)])
 

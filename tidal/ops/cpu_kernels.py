@@ -302,6 +302,40 @@ def bf16_gemm_kernel() -> Callable[..., torch.Tensor] | None:
     return gemm
 
 
+@cache
+def bf16_parts_kernel() -> Callable[..., torch.Tensor] | None:
+    """x times several bfloat16 weights side by side (csrc/bf16_gemm.c's ``bf16_gemm_parts``, or for
+    bfloat16 rows ``bf16_gemm_bf16_parts``): ``gemm(x, ws)`` -> [M, sum of the ws' rows], the bits of
+    :func:`bf16_gemm_kernel` (float32 rows; bfloat16 rows: :func:`bf16_rows_kernel`) on the rows'
+    concatenation, without making it; None where the kernel is unavailable."""
+    f32 = _function("bf16_gemm", "bf16_gemm_parts", [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_int])
+    b16 = _function("bf16_gemm", "bf16_gemm_bf16_parts",
+                    [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_int])
+    if f32 is None or b16 is None:
+        return None
+    f32.restype = b16.restype = ctypes.c_int
+
+    def gemm(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+        parts = len(ws)
+        ptrs = (ctypes.c_void_p * parts)(*(w.data_ptr() for w in ws))
+        strides = (ctypes.c_int64 * parts)(*(w.stride(0) for w in ws))
+        ns = (ctypes.c_int64 * parts)(*(w.shape[0] for w in ws))
+        if x.dtype == torch.bfloat16:
+            x = x if x.stride(1) == 1 else x.contiguous()
+            out = torch.empty(x.shape[0], sum(ns), dtype=torch.bfloat16)
+            status = b16(_ptr(x), x.stride(0), x.shape[0], x.shape[1], parts, ptrs, strides, ns, _ptr(out),
+                         torch.get_num_threads())
+        else:
+            x = x.to(torch.float32).contiguous()
+            out = torch.empty(x.shape[0], sum(ns), dtype=torch.float32)
+            status = f32(_ptr(x), x.shape[0], x.shape[1], parts, ptrs, strides, ns, _ptr(out), torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"bf16_gemm_parts: {parts} parts (at most 8) or no scratch memory for {x.shape[0]} rows")
+        return out
+
+    return gemm
+
+
 def fused_decode_enabled() -> bool:
     """``TIDAL_FUSED_DECODE=0`` turns off the fused small-op kernels (RMSNorm, Block AttnRes, the KDA
     layer step: ``tidal.ops.fused_decode``), leaving the torch ops of ``tidal/model``; read at every

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tidal.ops import batch_invariant
-from tidal.ops.cpu_kernels import bf16_gemm_kernel, bf16_rows_kernel
+from tidal.ops.cpu_kernels import bf16_gemm_kernel, bf16_parts_kernel, bf16_rows_kernel
 
 
 # A float32 product of at most this many rows against a weight of at least this many elements
@@ -43,6 +43,31 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     else:
         return F.linear(x, w)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w.shape[0])
+
+
+# At most this many weights go to one parts product (csrc/bf16_gemm.c's MAX_PARTS).
+MAX_PARTS = 8
+
+
+def linear_parts(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+    """``linear(x, torch.cat(ws))`` -> [..., sum of the ws' rows] without concatenating the weights
+    (they may stay in a checkpoint's mapping): bfloat16 CPU weights with contiguous rows go to the C
+    kernel as one product, whose every output is the concatenation's sum bit for bit; otherwise
+    each weight's :func:`linear`, concatenated (the same per-output sums wherever ``linear``'s are
+    independent of the other weight rows: the C kernel, batch invariance)."""
+    if len(ws) == 1:
+        return linear(x, ws[0])
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    kernel = None
+    if (not batch_invariant.enabled() and len(ws) <= MAX_PARTS and x.dtype in (torch.float32, torch.bfloat16)
+            and x.numel() and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws)))
+            and all(w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2 and w.stride(1) == 1
+                    and w.shape[1] == x.shape[-1] for w in ws)):
+        kernel = bf16_parts_kernel()
+    if kernel is None:
+        return torch.cat([linear(x, w) for w in ws], dim=-1)
+    out = kernel(rows, ws)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _row_by_row(x: torch.Tensor, w: torch.Tensor) -> bool:

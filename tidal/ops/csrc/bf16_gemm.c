@@ -42,25 +42,51 @@ static inline float bf16(uint16_t v) {
  * summation order does not depend on the thread count, so the bits are the same either way. */
 #define PARALLEL_MIN_MACS (1 << 20)
 
-void bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t w_stride, int64_t N, float *out,
-               int num_threads) {
+/* x times P weights side by side, as if their rows were one weight: out [M, N_0 + ... + N_{P-1}],
+ * part p's columns after those of the parts before it; part p is ws[p] [N_p, K] at row stride
+ * w_strides[p]. Each output is bf16_gemm's sum on the concatenated weight, bit for bit, without
+ * concatenating it (the parts stay where they are: a checkpoint's mapped pages, say). Returns 0,
+ * or -1 for more than MAX_PARTS parts. */
+#define MAX_PARTS 8
+int bf16_gemm_parts(const float *x, int64_t M, int64_t K, int64_t parts, const uint16_t *const *ws,
+                    const int64_t *w_strides, const int64_t *ns, float *out, int num_threads) {
+    if (parts < 1 || parts > MAX_PARTS) return -1;
+    int64_t first_chunk[MAX_PARTS + 1], first_col[MAX_PARTS + 1];
+    first_chunk[0] = first_col[0] = 0;
+    for (int64_t p = 0; p < parts; p++) {
+        first_chunk[p + 1] = first_chunk[p] + (ns[p] + COL_CHUNK - 1) / COL_CHUNK;
+        first_col[p + 1] = first_col[p] + ns[p];
+    }
+    const int64_t N = first_col[parts], chunks = first_chunk[parts];
     int64_t mb = ROW_BLOCK_BYTES / (K * (int64_t)sizeof(float) + 1) / MAX_R * MAX_R;
     if (mb < MAX_R) mb = MAX_R;
-    const int64_t row_blocks = (M + mb - 1) / mb, col_chunks = (N + COL_CHUNK - 1) / COL_CHUNK;
+    const int64_t row_blocks = (M + mb - 1) / mb;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && M * N * K >= PARALLEL_MIN_MACS)
-    for (int64_t item = 0; item < row_blocks * col_chunks; item++) {
-        const int64_t t0 = item / col_chunks * mb, j0 = item % col_chunks * COL_CHUNK;
-        const int64_t t1 = t0 + mb < M ? t0 + mb : M, j1 = j0 + COL_CHUNK < N ? j0 + COL_CHUNK : N;
-        rows_times_panel(x, K, t0, t1, w + j0 * w_stride, w_stride, j0, j1, out, N);
+    for (int64_t item = 0; item < row_blocks * chunks; item++) {
+        const int64_t chunk = item % chunks, t0 = item / chunks * mb;
+        int64_t p = 0;
+        while (chunk >= first_chunk[p + 1]) p++;
+        const int64_t j0 = (chunk - first_chunk[p]) * COL_CHUNK;
+        const int64_t t1 = t0 + mb < M ? t0 + mb : M, j1 = j0 + COL_CHUNK < ns[p] ? j0 + COL_CHUNK : ns[p];
+        rows_times_panel(x, K, t0, t1, ws[p] + j0 * w_strides[p], w_strides[p], j0, j1, out + first_col[p], N);
     }
+    return 0;
+}
+
+void bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t w_stride, int64_t N, float *out,
+               int num_threads) {
+    bf16_gemm_parts(x, M, K, 1, &w, &w_stride, &N, out, num_threads);
 }
 
 /* bfloat16 rows in and out (x [M, K] at row stride x_stride, out [M, N] contiguous): the rows are
  * widened to float32 (exact), multiplied as above, and the float32 sums rounded to nearest even,
  * the bits of bf16_gemm followed by torch's .to(torch.bfloat16). Returns 0, or -1 when the
  * scratch buffers cannot be allocated. */
-int bf16_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, const uint16_t *w, int64_t w_stride,
-                   int64_t N, uint16_t *out, int num_threads) {
+int bf16_gemm_bf16_parts(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, int64_t parts,
+                         const uint16_t *const *ws, const int64_t *w_strides, const int64_t *ns, uint16_t *out,
+                         int num_threads) {
+    int64_t N = 0;
+    for (int64_t p = 0; p < parts && p < MAX_PARTS; p++) N += ns[p];
     float *xf = malloc((size_t)(M * K) * sizeof(float)), *of = malloc((size_t)(M * N) * sizeof(float));
     if (xf == NULL || of == NULL) {
         free(xf);
@@ -69,9 +95,15 @@ int bf16_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, co
     }
     for (int64_t t = 0; t < M; t++)
         for (int64_t k = 0; k < K; k++) xf[t * K + k] = bf16_to_float(x[t * x_stride + k]);
-    bf16_gemm(xf, M, K, w, w_stride, N, of, num_threads);
-    for (int64_t i = 0; i < M * N; i++) out[i] = float_to_bf16(of[i]);
+    const int status = bf16_gemm_parts(xf, M, K, parts, ws, w_strides, ns, of, num_threads);
+    if (status == 0)
+        for (int64_t i = 0; i < M * N; i++) out[i] = float_to_bf16(of[i]);
     free(xf);
     free(of);
-    return 0;
+    return status;
+}
+
+int bf16_gemm_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, const uint16_t *w, int64_t w_stride,
+                   int64_t N, uint16_t *out, int num_threads) {
+    return bf16_gemm_bf16_parts(x, x_stride, M, K, 1, &w, &w_stride, &N, out, num_threads);
 }
