@@ -18,9 +18,11 @@ copies writes every byte into memory its process has never touched. "fresh memor
 which a fresh process writes that many bytes into new memory (torch.empty + fill_, 2 threads). The
 default load maps the files instead (``--safetensors-load-strategy lazy``): a weight whose bytes on
 disk are its bytes in memory, stacked experts included, is a view of the page cache; ``--strategy
-eager`` times the copying load (``--strategy lazy eager``: both, each round). For one process the line also gives ``process_weights_after_loading``
-(what a server runs next: it fuses each expert's gate and up projections into one tensor, a copy,
-since the file keeps the down projection between them). Each line ends with the load average.
+eager`` times the copying load (``--strategy lazy eager``: both, each round). Every line also gives
+``process_weights_after_loading`` (what a server runs next before its first forward pass; for bf16
+weights on the CPU it copies nothing, ``tidal.model.layers.keeps_apart``) and the ratio of load plus
+that to cat. A mapped load has read its pages and mapped them (MADV_POPULATE_READ) before it
+returns, so the first forward pass reads no file. Each line ends with the load average.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ def in_fresh_process(code: str) -> float:
 
 
 def _rank_load(place, comm, path: str, mmap: bool) -> tuple[int, float]:
-    """One rank: its shard's bytes and seconds, between two barriers."""
+    """One rank: its shard's bytes, the load's seconds and process_weights_after_loading's, each
+    between two barriers."""
     import torch.distributed as dist
 
     from tidal.parallel.loader import load_rank_model
@@ -106,15 +109,19 @@ def _rank_load(place, comm, path: str, mmap: bool) -> tuple[int, float]:
     t0 = time.perf_counter()
     model = load_rank_model(path, place, comm, torch.bfloat16, use_mmap=mmap)
     dist.barrier()
-    return model.loaded_bytes, time.perf_counter() - t0
+    t1 = time.perf_counter()
+    model.process_weights_after_loading()
+    dist.barrier()
+    return model.loaded_bytes, t1 - t0, time.perf_counter() - t1
 
 
-def load_on_ranks(path: Path, tp: int, ep: int, mmap: bool) -> tuple[int, float]:
-    """(bytes all ranks read, seconds of the slowest) for a sharded load on tp processes."""
+def load_on_ranks(path: Path, tp: int, ep: int, mmap: bool) -> tuple[int, float, float]:
+    """(bytes all ranks read, seconds of the load, seconds of process_weights_after_loading) for a
+    sharded load on tp processes (each timed from one barrier to the next: the slowest rank's)."""
     from tidal.parallel.launch import run_ranks
 
     results = run_ranks(_rank_load, tp_size=tp, ep_size=ep, args=(str(path), mmap), timeout_s=3600)
-    return sum(b for b, _ in results), max(t for _, t in results)
+    return sum(b for b, _, _ in results), max(r[1] for r in results), max(r[2] for r in results)
 
 
 def in_fresh_process_pair(code: str) -> tuple[float, float]:
@@ -167,13 +174,13 @@ def _round(files: list[Path], size: int, out: Path, tp: int, ep: int, strategy: 
     t_cat = time.perf_counter() - t0
     drop_caches()
     before_load = cached_bytes(files)
-    prep = ""
     if tp == 1:
         t_prep, t_load = in_fresh_process_pair(LOAD.format(root=str(ROOT), ckpt=str(out), mmap=mmap))
         read = size
-        prep = f"   then process_weights_after_loading {t_prep:.2f} s (load + that: {t_cat / (t_load + t_prep):.2f} of cat)"
     else:
-        read, t_load = load_on_ranks(out, tp, ep, mmap)
+        read, t_load, t_prep = load_on_ranks(out, tp, ep, mmap)
+    prep = (f"   then process_weights_after_loading {t_prep:.2f} s "
+            f"(load + that: {read / (t_load + t_prep) / (size / t_cat):.2f} of cat)")
     state = "cold page cache" if cold else "warm page cache (could not drop caches)"
     cached = ("" if before_cat is None else
               f", cached before cat {before_cat / size:.0%}, before load {before_load / size:.0%}")

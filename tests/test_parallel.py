@@ -111,9 +111,10 @@ FILE_ORDER = [0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 2, 3]  # slots of experts 0..11 (e
 
 
 def test_rank_experts_mapped_in_file_order_equal_the_copying_load(tmp_path) -> None:
-    """bfloat16, 12 experts. TP 2: each rank's gate and up rows of every expert are strided views of
-    the file (Experts.slots in file order), its column half of the down projection is copied into
-    the same slots; TP 2 + EP 2: a rank's experts are not evenly spaced in the file and are copied.
+    """bfloat16, 12 experts. TP 2: each rank's gate and up rows of every expert, and its column half
+    of the down projection (a view with the file's row stride), are strided views of the file
+    (Experts.slots in file order), and so are the column halves of the row-parallel o_proj and
+    down_proj; TP 2 + EP 2: a rank's experts are not evenly spaced in the file and are copied.
     Each rank's state_dict equals the copying load's, and on two gloo ranks the logits of prefills,
     chunked prefills and decodes equal the copying load's exactly."""
     from tidal.model.moe import Experts
@@ -131,9 +132,12 @@ def test_rank_experts_mapped_in_file_order_equal_the_copying_load(tmp_path) -> N
             for experts in (x for x in mapped.modules() if isinstance(x, Experts)):
                 in_file = [any(lo <= w.data_ptr() < hi for lo, hi in ranges) for w in (experts.w1, experts.w3, experts.w2)]
                 if ep == 1:
-                    assert experts.slots == FILE_ORDER and in_file == [True, True, False], (tp, ep, rank)
+                    assert experts.slots == FILE_ORDER and in_file == [True, True, True], (tp, ep, rank)
+                    assert not experts.w2.is_contiguous()  # the file's rows, this rank's columns
                 else:
                     assert experts.slots is None and not any(in_file), (tp, ep, rank)
+            columns = [m.weight for n, m in mapped.named_modules() if n.endswith(("o_proj", "down_proj"))]
+            assert columns and all(any(lo <= w.data_ptr() < hi for lo, hi in ranges) for w in columns)
     for result in run_ranks(pr.mapped_and_copied_program, tp_size=2, args=(str(ckpt),), timeout_s=600):
         assert result["equal"] == [True] * 4 and all(s == FILE_ORDER for s in result["slots"]), result
 

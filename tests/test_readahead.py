@@ -105,9 +105,10 @@ def test_a_meta_model_does_not_import_torch_dynamo() -> None:
     assert out.stdout.split()[-1] == "False"
 
 
-def test_adjacent_mapped_views_are_populated_as_one_span(tmp_path, monkeypatch):
-    """coalesce: views that continue one another become one job (names and views in order) up to
-    SPAN_BYTES; a read job, a gap or the size limit ends a span; the other jobs pass unchanged."""
+def test_mapped_views_are_populated_in_ranges_of_a_few_jobs(tmp_path, monkeypatch):
+    """coalesce: consecutive views become one job (names and views in order) of at least
+    SPAN_BYTES, views that continue one another one range (a strided view: its first to last
+    element); a read job ends a job early and passes unchanged."""
     from tidal.model import mapped
     from tidal.model.mapped import MappedFiles, coalesce
 
@@ -115,15 +116,17 @@ def test_adjacent_mapped_views_are_populated_as_one_span(tmp_path, monkeypatch):
     path.write_bytes(bytes(range(256)) * 64)  # 16 KiB
     files = MappedFiles()
     whole = files.view(path, 0, 16384, (16384,), torch.uint8)
-    spans = []
-    monkeypatch.setattr(files, "populate_span", lambda lo, hi: spans.append((lo - whole.data_ptr(), hi - whole.data_ptr())))
-    monkeypatch.setattr(mapped, "SPAN_BYTES", 8192)
+    jobs_ranges = []
+    monkeypatch.setattr(files, "populate_ranges",
+                        lambda rs: jobs_ranges.append([(lo - whole.data_ptr(), hi - whole.data_ptr()) for lo, hi in rs]))
+    monkeypatch.setattr(mapped, "SPAN_BYTES", 8000)
     read = lambda: torch.zeros(1)  # noqa: E731
+    columns = whole[9000:12000].view(30, 100)[:, :40]  # 30 rows of 40 at a stride of 100
     jobs = [("a", 0, whole[0:1000]), ("b", 0, whole[1000:3000]), ("r", 4, read), ("c", 0, whole[3000:4000]),
-            ("d", 0, whole[4096:8192]), ("e", 0, whole[8192:12000]), ("f", 0, whole[12000:16384])]
+            ("d", 0, whole[4096:8192]), ("e", 0, columns), ("f", 0, whole[12000:16384])]
     out = list(coalesce(jobs, files))
-    assert [key for key, _, _ in out] == [("a", "b"), "r", ("c",), ("d", "e"), ("f",)]
+    assert [key for key, _, _ in out] == [("a", "b"), "r", ("c", "d", "e"), ("f",)]
     assert out[1][1:] == (4, read)
     results = [job() for _, _, job in out]
-    assert spans == [(0, 3000), (3000, 4000), (4096, 12000), (12000, 16384)]
-    assert [t.data_ptr() for t in results[0]] == [whole[0:1].data_ptr(), whole[1000:1001].data_ptr()]
+    assert jobs_ranges == [[(0, 3000)], [(3000, 4000), (4096, 8192), (9000, 9000 + 29 * 100 + 40)], [(12000, 16384)]]
+    assert results[2][2] is columns and [t.data_ptr() for t in results[0]] == [whole[0:1].data_ptr(), whole[1000:1001].data_ptr()]

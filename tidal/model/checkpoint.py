@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import logging
 import os
@@ -236,22 +237,34 @@ class _Checkpoint:
         return start + info["data_offsets"][0], tuple(info["shape"]), _ST_DTYPES[info["dtype"]]
 
     def view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-             rows: tuple[int, int] | None = None) -> torch.Tensor | None:
-        """Tensor ``name`` (or its rows ``[start, stop)``) as a tensor of ``shape`` and ``dtype``
-        that is a view of the file's mapping (``tidal.model.mapped``), or None where its bytes are
-        not that tensor's bytes (another dtype, rows past the end, misaligned)."""
+             part: tuple[int, int, int] | None = None) -> torch.Tensor | None:
+        """Tensor ``name`` (or its ``part`` = (dim, start, stop): a range of rows, or of a matrix's
+        columns, a view with the file's row stride) as a tensor of ``shape`` and ``dtype`` that is a
+        view of the file's mapping (``tidal.model.mapped``), or None where its bytes are not that
+        tensor's bytes (another dtype, a part past the end, misaligned). Column ranges are 16-bit
+        only (as stacked experts, MAPPED_EXPERT_DTYPES)."""
         offset, disk_shape, disk_dtype = self.info(name)
         if disk_dtype != dtype:
             return None
         nbytes = dtype.itemsize
         for s in disk_shape:
             nbytes *= s
-        if rows is not None:
-            if not disk_shape or rows[1] > disk_shape[0]:
+        path = self.root / self.where[name]
+        if part is not None and part[0] == 1:
+            dim, start, stop = part
+            if len(disk_shape) != 2 or stop > disk_shape[1] or dtype not in MAPPED_EXPERT_DTYPES \
+                    or tuple(shape) != (disk_shape[0], stop - start):
+                return None
+            isz, cols = dtype.itemsize, disk_shape[1]
+            span = ((disk_shape[0] - 1) * cols + stop - start) * isz
+            flat = self.mapped.view(path, offset + start * isz, span, (span // isz,), dtype)
+            return None if flat is None else flat.as_strided(tuple(shape), (cols, 1))
+        if part is not None:
+            if part[0] != 0 or not disk_shape or part[2] > disk_shape[0]:
                 return None
             row = nbytes // disk_shape[0]
-            offset, nbytes = offset + rows[0] * row, (rows[1] - rows[0]) * row
-        return self.mapped.view(self.root / self.where[name], offset, nbytes, shape, dtype)
+            offset, nbytes = offset + part[1] * row, (part[2] - part[1]) * row
+        return self.mapped.view(path, offset, nbytes, shape, dtype)
 
     def file_order(self, names: list[str]) -> list[str]:
         """``names`` in the order their bytes lie on disk (file, then offset): the reads then follow
@@ -468,6 +481,25 @@ def _one_thread():
         torch.set_num_threads(before)
 
 
+def without_gc(load: Callable[..., Any]) -> Callable[..., Any]:
+    """``load`` with Python's cyclic garbage collector paused while it runs. Building a model
+    allocates many small objects, and each full collection on the way walks every object of the
+    process (a rank process's imports hold many): collections were most of a rank's model build.
+    A load makes no garbage cycles worth collecting early; the collector resumes after it."""
+
+    @functools.wraps(load)
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return load(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+
+    return paused
+
+
 QUANTIZATIONS = ("mxfp4",)
 # vLLM's --safetensors-load-strategy: "lazy" maps the files (a weight whose disk bytes are its bytes
 # is a view of the file's pages, tidal.model.mapped), "eager" reads every weight into memory of its own.
@@ -493,6 +525,7 @@ def resolve_quantization(config: ModelConfig, quantization: str | None) -> str |
     return quantization
 
 
+@without_gc
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
     quantization: str | None = None, use_mmap: bool = True,
@@ -625,7 +658,7 @@ def _stacked_experts(layout: dict[str, tuple[TensorSpec, _Source]], local: Calla
 
 def map_experts(ckpt: _Checkpoint, targets: dict[str, torch.Tensor], filled: dict[str, torch.Tensor],
                 views: dict[str, torch.Tensor], experts: dict[str, dict[str, list[str]]],
-                rows: dict[str, tuple[int, int] | None]) -> dict[str, list[int]]:
+                parts: dict[str, tuple[int, int, int]]) -> dict[str, list[int]]:
     """Stacked expert weights as strided views of the file's mapping, in ``filled`` (each expert's
     checkpoint name -> its matrix in ``views``); returns module -> ``Experts.slots`` where the file's
     order is not the experts' own.
@@ -635,14 +668,14 @@ def map_experts(ckpt: _Checkpoint, targets: dict[str, torch.Tensor], filled: dic
     One weight of every expert is then a run of equal size at a constant stride: a [E, out, in] view
     with dim 0 in file order, expert e at slots[e]. Each weight (w1, w2, w3) is mapped on its own, so
     a module whose weights a shard boundary separates still maps every weight held in one file.
-    ``rows``: checkpoint name -> the [start, stop) rows a rank holds of it, or None where its part is
-    not a row range; absent: the whole matrix. A weight whose experts are not so placed (another
-    dtype, two files, a column slice under tensor parallelism, another order than the module's other
-    weights) is left to the copying load, which writes expert e at slots[e] too."""
+    ``parts``: checkpoint name -> the (dim, start, stop) a rank holds of it (rows of w1/w3, columns
+    of w2 under tensor parallelism: a view with the file's row stride); absent: the whole matrix. A
+    weight whose experts are not so placed (another dtype, two files, another order than the
+    module's other weights) is left to the copying load, which writes expert e at slots[e] too."""
     slots_of: dict[str, list[int]] = {}
     for module, leaves in experts.items():
         order: list[int] | None = None
-        plans: dict[str, tuple[str, int, int, int]] = {}
+        plans: dict[str, tuple[str, int, int, int, int]] = {}
         for leaf, by_expert in leaves.items():
             files = {ckpt.where[n] for n in by_expert}
             if len(files) != 1:
@@ -650,7 +683,7 @@ def map_experts(ckpt: _Checkpoint, targets: dict[str, torch.Tensor], filled: dic
             leaf_order = sorted(range(len(by_expert)), key=lambda e: ckpt.info(by_expert[e])[0])
             if order is not None and leaf_order != order:
                 continue
-            plan = _strided(ckpt, [by_expert[e] for e in leaf_order], rows, targets[f"{module}.{leaf}"])
+            plan = _strided(ckpt, [by_expert[e] for e in leaf_order], parts, targets[f"{module}.{leaf}"])
             if plan is not None:
                 order = leaf_order
                 plans[leaf] = (files.pop(), *plan)
@@ -660,14 +693,14 @@ def map_experts(ckpt: _Checkpoint, targets: dict[str, torch.Tensor], filled: dic
         for pos, e in enumerate(order):
             slots[e] = pos
         mapped = False
-        for leaf, (file, first, stride, run) in plans.items():
+        for leaf, (file, first, stride, row_stride, run) in plans.items():
             target = targets[f"{module}.{leaf}"]
             isz = target.dtype.itemsize
             nbytes = (len(order) - 1) * stride + run
             span = ckpt.mapped.view(ckpt.root / file, first, nbytes, (nbytes // isz,), target.dtype)
             if span is None:
                 continue
-            view = span.as_strided((len(order), *target.shape[1:]), (stride // isz, target.shape[2], 1))
+            view = span.as_strided((len(order), *target.shape[1:]), (stride // isz, row_stride, 1))
             filled[f"{module}.{leaf}"] = view
             for e, name in enumerate(leaves[leaf]):
                 views[name] = view[slots[e]]
@@ -677,27 +710,32 @@ def map_experts(ckpt: _Checkpoint, targets: dict[str, torch.Tensor], filled: dic
     return slots_of
 
 
-def _strided(ckpt: _Checkpoint, names: list[str], rows: dict[str, tuple[int, int] | None],
-             target: torch.Tensor) -> tuple[int, int, int] | None:
-    """(file offset of the first, stride, bytes of each) of the experts' matrices ``names`` (in file
-    order) as parts of ``target`` [E, out, in], or None where they are not equal runs at one stride."""
+def _strided(ckpt: _Checkpoint, names: list[str], parts: dict[str, tuple[int, int, int]],
+             target: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(file offset of the first, stride between experts in bytes, row stride in elements, bytes one
+    expert's part spans) of the experts' matrices ``names`` (in file order) as parts of ``target``
+    [E, out, in], or None where they are not equal parts at one stride."""
     if target.dtype not in MAPPED_EXPERT_DTYPES:
         return None
     isz = target.dtype.itemsize
-    offsets = []
+    offsets, row_stride = [], 0
     for name in names:
         offset, shape, dtype = ckpt.info(name)
-        if dtype != target.dtype or len(shape) != 2 or shape[1] != target.shape[2] or name in rows and rows[name] is None:
+        if dtype != target.dtype or len(shape) != 2:
             return None
-        start, stop = rows.get(name, (0, shape[0]))
-        if stop - start != target.shape[1] or stop > shape[0]:
+        dim, start, stop = parts.get(name, (0, 0, shape[0]))
+        held = (shape[0], stop - start) if dim else (stop - start, shape[1])
+        if stop > shape[dim] or held != tuple(target.shape[1:]):
             return None
-        offsets.append(offset + start * shape[1] * isz)
-    run = target.shape[1] * target.shape[2] * isz
-    stride = offsets[1] - offsets[0] if len(offsets) > 1 else run
-    if any(b - a != stride for a, b in zip(offsets, offsets[1:])) or stride < run or stride % isz or offsets[0] % isz:
+        offsets.append(offset + (start if dim else start * shape[1]) * isz)
+        row_stride = shape[1]
+    out_f, in_f = target.shape[1:]
+    run = ((out_f - 1) * row_stride + in_f) * isz
+    stride = offsets[1] - offsets[0] if len(offsets) > 1 else out_f * row_stride * isz
+    if any(b - a != stride for a, b in zip(offsets, offsets[1:])) or stride < out_f * row_stride * isz \
+            or stride % isz or offsets[0] % isz:
         return None
-    return offsets[0], stride, run
+    return offsets[0], stride, row_stride, run
 
 
 # Stacked experts are mapped in 16-bit dtypes only: float32 experts multiply through MKL, whose sums

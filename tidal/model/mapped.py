@@ -56,21 +56,28 @@ class MappedFiles:
     def populate(self, t: torch.Tensor) -> torch.Tensor:
         """Read ``t``'s pages from the file and map them now (not at the first forward pass);
         returns ``t``. Where the kernel has no MADV_POPULATE_READ, asks for read-ahead instead."""
-        self.populate_span(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+        self.populate_span(*extent(t))
         return t
 
     def populate_span(self, start: int, end: int) -> None:
-        """:meth:`populate` of the mapped addresses [start, end). The span's reads are first queued
-        all at once (MADV_WILLNEED: asynchronous read-ahead of the whole span, which a caller on
-        another thread issues while the span before is still being mapped), then its pages are
-        mapped one span at a time: a fault alone would read one read-around window and wait."""
-        start = start // PAGE * PAGE
-        _madvise(start, end - start, _MADV_WILLNEED)
+        """:meth:`populate` of the mapped addresses [start, end)."""
+        self.populate_ranges([(start, end)])
+
+    def populate_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        """:meth:`populate` of mapped address ranges [start, end), in file order. Their reads are
+        first queued all at once (MADV_WILLNEED: asynchronous read-ahead, which a caller on another
+        thread issues while the ranges before are still being mapped), then their pages are mapped,
+        one caller at a time: a fault alone would read one read-around window and wait for it."""
+        ranges = [(start // PAGE * PAGE, end) for start, end in ranges]
+        for start, end in ranges:
+            _madvise(start, end - start, _MADV_WILLNEED)
         if not self.populate_works:
             return
         with self._populating:
-            if _madvise(start, end - start, _MADV_POPULATE_READ) != 0:
-                self.populate_works = False
+            for start, end in ranges:
+                if _madvise(start, end - start, _MADV_POPULATE_READ) != 0:
+                    self.populate_works = False
+                    return
 
     def _map(self, path: Path) -> mmap.mmap:
         m = self.maps.get(path)
@@ -94,7 +101,15 @@ def _madvise(start: int, length: int, advice: int) -> int:
     return _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice)
 
 
-# A run of mapped weights is populated in spans of at most this many bytes (progress is reported per span).
+def extent(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) addresses of the bytes view ``t`` spans (a strided view: from its first element
+    to its last, the gaps between its rows included)."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else -1
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+# Consecutive mapped weights are populated in jobs of at least this many bytes (progress is
+# reported per job).
 SPAN_BYTES = 64 << 20
 
 Job = tuple[object, int, Callable[[], object]]
@@ -102,41 +117,46 @@ Job = tuple[object, int, Callable[[], object]]
 
 def coalesce(jobs: Iterable[tuple[str, int, Callable[[], torch.Tensor] | torch.Tensor]], mapped: MappedFiles
              ) -> Iterator[Job]:
-    """The read jobs ``(name, nbytes, read)`` of a load (``tidal.model.readahead.read_ahead``) where a
-    job whose third item is a tensor (a contiguous view of ``mapped``: its pages to populate) joins the
-    views before it that end where it starts: one job per run of adjacent views, keyed by the tuple
-    of their names, whose result is the tuple of views (safetensors stores tensors back to back, so
-    a file of mapped weights is a few spans, populated in file order)."""
+    """The read jobs ``(name, nbytes, read)`` of a load (``tidal.model.readahead.read_ahead``) where
+    jobs whose third item is a tensor (a view of ``mapped``: the pages of its :func:`extent` to
+    populate) are gathered, as they come, into one job per SPAN_BYTES of views (a read job ends one
+    early), keyed by the tuple of their names, whose result is the tuple of views. Views that follow
+    one another in memory are one range: safetensors stores tensors back to back, so the views of a
+    file in file order are a few long ranges, the pieces of a rank's slices a range each."""
     names: list[str] = []
     views: list[torch.Tensor] = []
-    start = end = 0
+    ranges: list[tuple[int, int]] = []
+    held = 0
 
     def flush() -> Job:
-        span, kept = (start, end), tuple(views)
-        names_now = tuple(names)
+        kept, spans, key = tuple(views), list(ranges), tuple(names)
         names.clear()
         views.clear()
+        ranges.clear()
 
         def populate() -> tuple[torch.Tensor, ...]:
-            mapped.populate_span(*span)
+            mapped.populate_ranges(spans)
             return kept
 
-        return names_now, 0, populate
+        return key, 0, populate
 
     for name, nbytes, job in jobs:
         if not isinstance(job, torch.Tensor):
             if names:
+                held = 0
                 yield flush()
             yield name, nbytes, job
             continue
-        lo = job.data_ptr()
-        hi = lo + job.numel() * job.element_size()
-        if names and not (lo == end and hi - start <= SPAN_BYTES):
-            yield flush()
-        if not names:
-            start = lo
+        lo, hi = extent(job)
+        if ranges and ranges[-1][1] == lo:
+            ranges[-1] = (ranges[-1][0], hi)
+        else:
+            ranges.append((lo, hi))
         names.append(name)
         views.append(job)
-        end = hi
+        held += hi - lo
+        if held >= SPAN_BYTES:
+            held = 0
+            yield flush()
     if names:
         yield flush()

@@ -16,6 +16,7 @@ import torch
 from tidal.model.checkpoint import (
     TensorSpec, _check, _check_scales, _Checkpoint, _filled, _install, _layout, _materialise_packed, _open,
     _one_thread, _Source, _stacked_experts, expert_slot, map_experts, read_config, resolve_quantization,
+    without_gc,
 )
 from tidal.model.kimi import KimiForCausalLM
 from tidal.model.mapped import coalesce
@@ -28,6 +29,7 @@ from tidal.parallel.shard import build_rank_model, expert_slice, full_shapes, ta
 log = logging.getLogger("tidal.load")
 
 
+@without_gc
 def load_rank_model(
     model_dir: str | Path, place: RankPlace, comm: Collectives, dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu", quantization: str | None = None,
@@ -79,18 +81,18 @@ def load_rank_model(
             def local(param: str) -> tuple[int, int] | None:
                 return model.get_submodule(param.rpartition(".")[0]).local_experts
 
-            rows = {name: None if where[0] else where[1:] for name, where in wheres.items()
-                    if layout[name][1].expert is not None and where is not None
-                    and (where[1], where[2]) != (0, layout[name][0].shape[where[0]])}
-            slots = map_experts(ckpt, targets, filled, views, _stacked_experts(layout, local), rows)
+            parts = {name: where for name, where in wheres.items()
+                     if layout[name][1].expert is not None and where is not None
+                     and (where[1], where[2]) != (0, layout[name][0].shape[where[0]])}
+            slots = map_experts(ckpt, targets, filled, views, _stacked_experts(layout, local), parts)
 
         def reads() -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
             for name, where, part, whole in plan:
                 spec, src = layout[name]
                 view = None
-                if use_mmap and device.type == "cpu" and src.expert is None and not whole and (where is None or where[0] == 0):
+                if use_mmap and device.type == "cpu" and src.expert is None and not whole:
                     target = targets[src.param]
-                    view = ckpt.view(name, tuple(target.shape), target.dtype, None if where is None else where[1:])
+                    view = ckpt.view(name, tuple(target.shape), target.dtype, where)
                 if view is not None:
                     filled[src.param] = view
                 view = views.get(name, view)
