@@ -189,3 +189,29 @@ def test_dcp_forward_on_ranks_equals_tp1(ckpts, ranks) -> None:
                 err = float((want - got).abs().max())
                 assert err < 1e-3, (kind, tp, ep, dcp, rank, step, err)
                 assert torch.equal(want.argmax(-1), got.argmax(-1))
+
+
+def test_rank_slice_extents_are_the_bytes_its_views_span(tmp_path) -> None:
+    """What a rank asks the disk for ahead of its model build (loader._extent): a whole tensor, a row
+    range, and a column range from its first element to its last (the other columns between)."""
+    import contextlib
+
+    from safetensors.torch import save_file
+
+    from tidal.model.checkpoint import _open
+    from tidal.parallel.loader import _extent
+
+    save_file({"a": torch.zeros(3, dtype=torch.bfloat16), "w": torch.zeros(4, 6, dtype=torch.bfloat16)},
+              str(tmp_path / "model.safetensors"))
+    with contextlib.ExitStack() as stack:
+        ckpt = _open(stack, tmp_path)
+        offset = ckpt.info("w")[0]
+        assert _extent(ckpt, "w", None) == ("model.safetensors", offset, 48)
+        assert _extent(ckpt, "w", (0, 1, 3)) == ("model.safetensors", offset + 12, 24)
+        assert _extent(ckpt, "w", (0, 2, 9)) == ("model.safetensors", offset + 24, 24)  # clamped to the rows
+        assert _extent(ckpt, "w", (1, 2, 5)) == ("model.safetensors", offset + 4, (3 * 6 + 3) * 2)
+        view = ckpt.view("w", (4, 3), torch.bfloat16, (1, 2, 5))
+        base = ckpt.view("w", (4, 6), torch.bfloat16).data_ptr() - offset
+        from tidal.model.mapped import extent
+        lo, hi = extent(view)
+        assert (lo - base, hi - lo) == _extent(ckpt, "w", (1, 2, 5))[1:]

@@ -16,7 +16,7 @@ import torch
 from tidal.model.checkpoint import (
     TensorSpec, _check, _check_scales, _Checkpoint, _filled, _install, _layout, _materialise_packed, _open,
     _one_thread, _Source, _stacked_experts, expert_slot, map_experts, read_config, resolve_quantization,
-    without_gc,
+    read_early, without_gc,
 )
 from tidal.model.kimi import KimiForCausalLM
 from tidal.model.mapped import coalesce
@@ -24,7 +24,7 @@ from tidal.model.moe import Experts, PackedExperts
 from tidal.model.readahead import read_ahead, read_budget
 from tidal.ops.mxfp import dequantize_mxfp4
 from tidal.parallel.groups import Collectives, RankPlace
-from tidal.parallel.shard import build_rank_model, expert_slice, full_shapes, take, tensor_slice
+from tidal.parallel.shard import build_rank_model, expert_config, expert_slice, full_shapes, take, tensor_slice
 
 log = logging.getLogger("tidal.load")
 
@@ -45,11 +45,6 @@ def load_rank_model(
     layout = _layout(config)
     device = torch.device(device)
     keep_packed = resolve_quantization(config, quantization) == "mxfp4"
-    with torch.device("meta"):
-        model = build_rank_model(config, place, comm, packed=keep_packed).to_dtype(dtype)
-    if keep_packed:
-        _materialise_packed(model, device)
-    targets = model.state_dict(keep_vars=True)
     shapes = full_shapes(config)
     start, nbytes = time.perf_counter(), 0
     filled: dict[str, torch.Tensor] = {}
@@ -61,11 +56,12 @@ def load_rank_model(
         wheres: dict[str, tuple[int, int, int] | None] = {}
         direct: set[str] = set()
         plan = []  # (name, where, bytes of the slice, read whole), in file order
+        count = expert_config(config, place).num_experts
+        first = place.ep_rank * count  # this rank's experts: first .. first + count - 1 (Experts.local_experts)
         for name in ckpt.file_order(list(layout)):
             spec, src = layout[name]
             module_name, _, leaf = src.param.rpartition(".")
             if src.expert is not None:
-                first, count = model.get_submodule(module_name).local_experts or (0, config.num_experts)
                 if not first <= src.expert < first + count:
                     continue  # another rank's expert: never read
                 where = expert_slice(leaf, spec.shape[1 if leaf == "w2" else 0], place)
@@ -75,6 +71,12 @@ def load_rank_model(
             whole = leaf == "A_log" or spec.min_length  # a few floats, stored in another shape: read whole
             part = spec.nbytes if whole or where is None else spec.nbytes * (where[2] - where[1]) // spec.shape[where[0]]
             plan.append((name, where, part, whole))
+        read_early(ckpt, (_extent(ckpt, name, None if whole else where) for name, where, _, whole in plan))
+        with torch.device("meta"):
+            model = build_rank_model(config, place, comm, packed=keep_packed).to_dtype(dtype)
+        if keep_packed:
+            _materialise_packed(model, device)
+        targets = model.state_dict(keep_vars=True)
         views: dict[str, torch.Tensor] = {}  # this rank's expert matrices mapped from the file
         slots: dict[str, list[int]] = {}
         if use_mmap and device.type == "cpu" and not keep_packed:
@@ -144,6 +146,22 @@ def load_rank_model(
     log.debug("rank %d loaded its shard of %s: %.3f GB in %.3f s, %.3f GB/s", place.rank, root, nbytes / 1e9,
              seconds, nbytes / 1e9 / seconds)
     return model
+
+
+def _extent(ckpt: _Checkpoint, name: str, where: tuple[int, int, int] | None) -> tuple[str, int, int]:
+    """(file, offset, bytes) that this rank's part ``where`` of tensor ``name`` spans in its file
+    (a column range: from its first element to its last, the other columns between included)."""
+    offset, shape, dtype = ckpt.info(name)
+    row = dtype.itemsize
+    for s in shape[1:]:
+        row *= s
+    if where is None or not shape:
+        return ckpt.where[name], offset, row * (shape[0] if shape else 1)
+    dim, lo, hi = where[0], where[1], min(where[2], shape[where[0]])
+    if dim == 0:
+        return ckpt.where[name], offset + lo * row, max(0, hi - lo) * row
+    inner = row // shape[1]  # bytes per element of dims past 1
+    return ckpt.where[name], offset + lo * inner, max(0, (shape[0] - 1) * row + (hi - lo) * inner)
 
 
 def _destination(model: KimiForCausalLM, targets: dict[str, torch.Tensor], filled: dict[str, torch.Tensor],
