@@ -460,8 +460,8 @@ class DsparkDrafter:
         causal, so a request's first tokens are those of its own block size. Each block is cut
         before its first token whose chance of being reached is below ``min_reach``
         (:func:`confident_prefix`), and the slots are drafted one at a time (LM head, Markov
-        head), stopping at the first slot no block reaches: in a full batch, where only sure
-        tokens are verified, most of the vocabulary-wide work is never done."""
+        head) for the blocks still going: in a full batch, where only sure tokens are verified,
+        most of the vocabulary-wide work is never done."""
         out: list[Draft | None] = [None] * len(asks)
         live = [(i, slot, len(ids), min(k, self.cfg.block_size), int(ids[-1])) for i, (rid, ids, k) in enumerate(asks)
                 if len(ids) >= 2 and k >= 1 and (slot := self.cache.slot(rid)) is not None]
@@ -484,20 +484,27 @@ class DsparkDrafter:
         block = max(x[3] for x in live)
         prev = torch.tensor([x[4] for x in live], dtype=torch.long, device=dev)
         h = self.model.forward_cached(self._embed(prev), anchor_pos, block, kv, valid)
-        drafted, confidence = [], []
-        reach = torch.ones(len(live), device=dev)
+        B = len(live)
+        drafted = torch.full((B, block), -1, dtype=torch.long, device=dev)
+        confidence = torch.zeros(B, block, device=dev)
+        wanted = torch.tensor([x[3] for x in live], device=dev)
+        reach = torch.ones(B, device=dev)
+        rows = torch.arange(B, device=dev)  # the blocks still drafting
         for j in range(block):  # the Markov head: each slot's bias comes from the previous draft
-            logits = self._logits(h[:, j].contiguous()) + self.model.markov_bias(prev)
-            top, prev = logits.max(dim=-1)
+            logits = self._logits(h[rows, j]) + self.model.markov_bias(prev[rows])
+            top, token = logits.max(dim=-1)
             conf = (top - logits.logsumexp(dim=-1)).exp()  # the draft's own probability
-            drafted.append(prev)
-            confidence.append(conf)
-            reach = reach * conf
-            # (a margin: the cut itself is confident_prefix's, in float64)
-            if min_reach > 0.0 and not bool((reach >= min_reach * (1 - 1e-3)).any()):
+            drafted[rows, j], confidence[rows, j], prev[rows] = token, conf, token
+            reach[rows] *= conf
+            # a block stops at its own size, or once it cannot be reached (with a margin: the cut
+            # itself is confident_prefix's, in float64)
+            going = wanted[rows] > j + 1
+            if min_reach > 0.0:
+                going &= reach[rows] >= min_reach * (1 - 1e-3)
+            rows = rows[going]
+            if not rows.numel():
                 break
-        for (i, _, _, k, _), tokens, conf in zip(live, torch.stack(drafted, dim=1).tolist(),
-                                                 torch.stack(confidence, dim=1).tolist()):
+        for (i, _, _, k, _), tokens, conf in zip(live, drafted.tolist(), confidence.tolist()):
             draft = Draft(tokens[:k], confidence=conf[:k])
             cut = confident_prefix(draft, min_reach)
             out[i] = Draft(draft.tokens[:cut], confidence=draft.confidence[:cut])
