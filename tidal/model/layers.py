@@ -122,21 +122,22 @@ class FusedWeights:
             p.data = fused[..., start : start + p.shape[-2], :]
             start += p.shape[-2]
         self.params, self.sizes, self._tensor = params, [getattr(m, n).shape[-2] for m, n in params], fused
+        # (byte offset into the fused tensor, stride) of each parameter's slice: what it must still
+        # have to be that slice (fixed: the fused tensor never changes; a copy keeps the offsets).
+        self._slices = [(getattr(m, n).data_ptr() - fused.data_ptr(), getattr(m, n).stride()) for m, n in params]
 
     @property
     def tensor(self) -> torch.Tensor | None:
         """The fused tensor while every parameter is still its slice, else None (from then on)."""
-        fused, start = self._tensor, 0
-        for p, rows in zip(self._current(), self.sizes):
-            if fused is None or p is None:
+        fused = self._tensor
+        if fused is None:
+            return None
+        base = fused.data_ptr()
+        for p, (offset, stride) in zip(self._current(), self._slices):
+            if p is None or p.data_ptr() - base != offset or p.stride() != stride or p.dtype != fused.dtype \
+                    or p.device != fused.device:
                 self._tensor = None
                 return None
-            part = fused[..., start : start + rows, :]
-            if p.dtype != fused.dtype or p.device != fused.device or p.stride() != part.stride() \
-                    or p.data_ptr() != part.data_ptr():
-                self._tensor = None
-                return None
-            start += rows
         return fused
 
     def for_forward(self) -> torch.Tensor | None:

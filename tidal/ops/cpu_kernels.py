@@ -89,8 +89,9 @@ def _cpu_features() -> str:
         return platform.machine() + platform.processor()
 
 
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
+def _ptr(t: torch.Tensor) -> int:
+    """The address a ``c_void_p`` argument takes (as an int: ctypes converts it without an object)."""
+    return t.data_ptr()
 
 
 def _function(library: str, name: str, argtypes: list) -> Callable | None:
@@ -294,9 +295,11 @@ def bf16_gemm_kernel() -> Callable[..., torch.Tensor] | None:
         return None
 
     def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.float32).contiguous()
-        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-        fn(_ptr(x), x.shape[0], x.shape[1], _ptr(w), w.stride(0), w.shape[0], _ptr(out), torch.get_num_threads())
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.to(torch.float32).contiguous()
+        (M, K), N = x.shape, w.shape[0]
+        out = torch.empty(M, N, dtype=torch.float32)
+        fn(x.data_ptr(), M, K, w.data_ptr(), w.stride(0), N, out.data_ptr(), torch.get_num_threads())
         return out
 
     return gemm
@@ -370,11 +373,14 @@ def bf16_rows_kernel() -> Callable[..., torch.Tensor] | None:
     fn.restype = ctypes.c_int
 
     def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        x = x if x.stride(1) == 1 else x.contiguous()
-        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
-        if fn(_ptr(x), x.stride(0), x.shape[0], x.shape[1], _ptr(w), w.stride(0), w.shape[0], _ptr(out),
-              torch.get_num_threads()) != 0:
-            raise MemoryError(f"bf16_gemm: no scratch memory for {x.shape[0]} x {x.shape[1]} rows")
+        stride, one = x.stride()
+        if one != 1:
+            x = x.contiguous()
+            stride = x.stride(0)
+        (M, K), N = x.shape, w.shape[0]
+        out = torch.empty(M, N, dtype=torch.bfloat16)
+        if fn(x.data_ptr(), stride, M, K, w.data_ptr(), w.stride(0), N, out.data_ptr(), torch.get_num_threads()) != 0:
+            raise MemoryError(f"bf16_gemm: no scratch memory for {M} x {K} rows")
         return out
 
     return gemm

@@ -29,20 +29,22 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w.t() (w [N, K]) in x's dtype."""
     if batch_invariant.enabled():
         return batch_invariant.linear(x, w)
-    if (w.device.type != "cpu" or w.dim() != 2 or x.numel() == 0
+    if (not w.is_cpu or w.dim() != 2 or x.numel() == 0
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return F.linear(x, w)
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if w.dtype == torch.bfloat16 and w.stride(1) == 1 and x.dtype in (torch.float32, torch.bfloat16):
-        kernel = bf16_gemm_kernel() if x.dtype == torch.float32 else bf16_rows_kernel()
+    flat = x.dim() == 2  # decode's rows: no reshape around the call
+    rows = x if flat else x.reshape(-1, x.shape[-1])
+    dtype = x.dtype
+    if w.dtype == torch.bfloat16 and (dtype == torch.bfloat16 or dtype == torch.float32) and w.stride(1) == 1:
+        kernel = bf16_rows_kernel() if dtype == torch.bfloat16 else bf16_gemm_kernel()
         if kernel is None:
-            return F.linear(x, w.to(x.dtype))
+            return F.linear(x, w.to(dtype))
         out = kernel(rows, w)  # float32 rows: float32 out, the bf16 weight read once
     elif _row_by_row(x, w):
         out = torch.cat([F.linear(rows[i : i + 1], w) for i in range(rows.shape[0])])
     else:
         return F.linear(x, w)
-    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w.shape[0])
+    return out if flat else out.reshape(*x.shape[:-1], w.shape[0])
 
 
 # At most this many weights go to one parts product (csrc/bf16_gemm.c's MAX_PARTS).

@@ -37,11 +37,14 @@ MAX_HEAD_DIM = 1024  # the kernel's per-head arrays live on its stack
 
 
 def _applies(*tensors: torch.Tensor) -> bool:
+    if not fused_decode_enabled():
+        return False
     grad = torch.is_grad_enabled()
+    for t in tensors:  # a plain loop: this runs a few hundred times per decode step
+        if not t.is_cpu or t.dtype not in _DTYPES or (grad and t.requires_grad):
+            return False
     # use_triton is one answer for all CPU tensors (the interpreter's switch): asked once per call.
-    return fused_decode_enabled() and all(
-        t.is_cpu and t.dtype in _DTYPES and not (grad and t.requires_grad) for t in tensors
-    ) and not use_triton(tensors[0])
+    return not use_triton(tensors[0])
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
