@@ -257,14 +257,16 @@ def mxfp4_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Te
     deq_fn = _function("mxfp4_gemm", "mxfp4_dequantize", [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, ctypes.c_int])
     if gemm_fn is None or deq_fn is None:
         return None
+    gemm_fn.restype = ctypes.c_int
 
     def gemm(x: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor,
              scales: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.float32).contiguous()
         N = packed.shape[1]
         out = torch.empty(x.shape[0], N, dtype=torch.float32)
-        gemm_fn(_ptr(x), x.shape[1], _ptr(offsets), _ptr(experts), experts.shape[0], _ptr(packed), _ptr(scales), N,
-                _ptr(out), torch.get_num_threads())
+        if gemm_fn(_ptr(x), x.shape[1], _ptr(offsets), _ptr(experts), experts.shape[0], _ptr(packed), _ptr(scales),
+                   N, _ptr(out), torch.get_num_threads()) != 0:
+            raise MemoryError(f"mxfp4_grouped_gemm: no scratch memory for {x.shape[0]} x {x.shape[1]} rows")
         return out
 
     def dequantize(experts: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -6,12 +6,16 @@
  *
  * mxfp4_grouped_gemm: group g holds rows offsets[g] .. offsets[g+1]-1 of x [S, K] (float32);
  * out[t] = x[t] @ W[experts[g]]^T, out [S, N] float32, at every group size (one decode row to a
- * prefill's hundreds). A panel of a few weight rows is decoded to float32 (a 16-entry table of
- * E2M1 values times the block scale: exact, a power of two) into a per-thread buffer in L1, and the
- * group's rows pass under it in the register tiles of row_tiles.h, whose fixed summation order makes
- * every row's result bitwise independent of the other rows, the group sizes and the thread count.
+ * prefill's hundreds); returns 0, or -1 when scratch memory cannot be allocated. A panel of a few
+ * weight rows is decoded to float32 (each E2M1 value times the block scale: exact, a power of two)
+ * into a per-thread buffer in L1, and the group's rows pass under it in the register tiles of
+ * row_tiles.h, whose fixed summation order makes every row's result bitwise independent of the
+ * other rows, the group sizes and the thread count. A group of one row (decode) skips the panel:
+ * its blocks are decoded in registers straight into the fused multiply-adds. On AVX2 the columns
+ * of each group of 8 are taken in the decoder's order (PERM), x's included, so decoding is a few
+ * in-lane byte shuffles per 32 weights.
  *
- * mxfp4_dequantize: the experts' weights as float32 [G, N, K].
+ * mxfp4_dequantize: the experts' weights as float32 [G, N, K], columns in order.
  *
  * mxfp4_moe_tokens: a whole routed-expert sum (tidal.model.moe.PackedExperts.forward) in one call.
  *
@@ -42,61 +46,99 @@ static inline float e8m0(uint8_t s) {
     return f;
 }
 
-/* The 32 values of one block (16 packed bytes) times its scale, into v[32]. */
-#ifdef TILE_AVX2
-/* ... as four vectors of 8 (columns 0..7, 8..15, 16..23, 24..31), in registers */
-static inline __attribute__((always_inline)) void decode_block8(const uint8_t *restrict p, uint8_t scale, __m256 v[4]) {
-    /* twice the E2M1 values as int8 (exact integers) for a byte shuffle, times half the scale */
-    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
-    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, low4));
-    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-    const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);  /* columns 0..15, 16..31 */
-    const __m256 s = _mm256_set1_ps(0.5f * e8m0(scale));
-    v[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c0)), s);
-    v[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c0, 8))), s);
-    v[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c1)), s);
-    v[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c1, 8))), s);
-}
-
-static inline void decode_block(const uint8_t *restrict p, uint8_t scale, float *restrict v) {
-    __m256 r[4];
-    decode_block8(p, scale, r);
-    for (int i = 0; i < 4; i++) _mm256_storeu_ps(v + 8 * i, r[i]);
-}
-
-/* One row x (K values) times weight rows [j, j + C) of one expert (C <= MAX_C) -> out[0 .. C): the
- * blocks decoded in registers straight into the fused multiply-adds, without the L1 panel. Each
- * output's order is the tiles' (one 8-lane accumulator over k in steps of 8, lanes_sum; K % 32 == 0
- * leaves no tail) and the decoded values are decode_block's, so the bits equal the panel path's. */
-static void row_times_packed(const float *x, int64_t K, const uint8_t *we, const uint8_t *se, int64_t j, int C,
-                             float *out) {
-    const int64_t row_bytes = K / 2, row_scales = K / 32;
-    __m256 a[MAX_C];
-    for (int c = 0; c < C; c++) a[c] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < row_scales; b++) {
-        const float *xb = x + b * 32;
-        for (int c = 0; c < C; c++) {
-            __m256 v[4];
-            decode_block8(we + (j + c) * row_bytes + b * 16, se[(j + c) * row_scales + b], v);
-            for (int i = 0; i < 4; i++) a[c] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xb + 8 * i), a[c]);
-        }
-    }
-    for (int c = 0; c < C; c++) out[c] = lanes_sum(a[c]);
-}
-#else
-/* E2M1 code -> value; codes 8..15 are the negatives (8 = -0). */
+/* E2M1 code -> value; codes 8..15 are the negatives (8 = -0, decoded as +0: the products and sums
+ * are the same). */
 static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+                               0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-static inline void decode_block(const uint8_t *restrict p, uint8_t scale, float *restrict v) {
+/* The 32 values of one block (16 packed bytes) times its scale, into v[32], columns in order. */
+static inline void decode_block_in_order(const uint8_t *restrict p, uint8_t scale, float *restrict v) {
     const float s = e8m0(scale);
     for (int j = 0; j < 16; j++) {
         v[2 * j] = E2M1[p[j] & 0xF] * s;
         v[2 * j + 1] = E2M1[p[j] >> 4] * s;
     }
 }
+
+#ifdef TILE_AVX2
+/* The GEMM's column order (AVX2): within each group of 8 columns, lane l holds column PERM[l]. The
+ * decoder below yields the weights in that order with in-lane shuffles only (no widening, no
+ * int -> float conversion), and the rows of x are put in the same order once per call
+ * (permute_rows), so lane l of an accumulator sums columns 8i + PERM[l]: one fixed order for the
+ * panel path and the one-row path alike (a row's bits do not depend on the other rows). */
+#define PERMUTED_COLUMNS 1
+static const int PERM[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+/* ... one block as four vectors of 8 (columns 0..7, 8..15, 16..23, 24..31, each in PERM order), in
+ * registers. Each E2M1 value is a bfloat16 (two significant bits), so a byte shuffle per half of
+ * its bit pattern gives it exactly; times the scale (a power of two: exact). */
+static inline __attribute__((always_inline)) void decode_block8(const uint8_t *restrict p, uint8_t scale, __m256 v[4]) {
+    const __m256i hi_t = _mm256_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                          0x00, (char)0xBF, (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0,
+                                          0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                          0x00, (char)0xBF, (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0);
+    const __m256i lo_t = _mm256_setr_epi8(0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0,
+                                          0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0,
+                                          0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0,
+                                          0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0);
+    /* low half: the low nibbles (even columns 0, 2, .., 30); high half: the high nibbles (odd) */
+    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    const __m256i codes = _mm256_and_si256(_mm256_srlv_epi64(bytes, _mm256_setr_epi64x(0, 0, 4, 4)),
+                                           _mm256_set1_epi8(0x0F));
+    const __m256i h = _mm256_shuffle_epi8(hi_t, codes), l = _mm256_shuffle_epi8(lo_t, codes);
+    const __m256i b0 = _mm256_unpacklo_epi8(l, h), b1 = _mm256_unpackhi_epi8(l, h);  /* bf16: columns 0..15, 16..31 */
+    const __m256i z = _mm256_setzero_si256();
+    const __m256 s = _mm256_set1_ps(e8m0(scale));
+    v[0] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, b0)), s);
+    v[1] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, b0)), s);
+    v[2] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, b1)), s);
+    v[3] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(z, b1)), s);
+}
+
+/* ... into v[32], in the GEMM's column order (the L1 panel) */
+static inline void decode_block(const uint8_t *restrict p, uint8_t scale, float *restrict v) {
+    __m256 r[4];
+    decode_block8(p, scale, r);
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(v + 8 * i, r[i]);
+}
+
+/* rows [0, S) of x [S, K] (K % 8 == 0) with each group of 8 columns in PERM order, into out */
+static void permute_rows(const float *x, int64_t S, int64_t K, float *out) {
+    const __m256i perm = _mm256_loadu_si256((const __m256i *)PERM);
+    for (int64_t i = 0; i < S * K; i += 8) _mm256_storeu_ps(out + i, _mm256_permutevar8x32_ps(_mm256_loadu_ps(x + i), perm));
+}
+
+/* One row x (K values, PERM order) times C consecutive weight rows of one expert (C <= MAX_C, a
+ * constant at each call, so the accumulators stay in registers) -> out[0 .. C): the blocks decoded
+ * in registers straight into the fused multiply-adds, without the L1 panel. Each output's order is
+ * the tiles' (one 8-lane accumulator over k in steps of 8, lanes_sum; K % 32 == 0 leaves no tail)
+ * and the values are decode_block's, so the bits equal the panel path's. */
+static inline __attribute__((always_inline)) void row_tile_packed(const int C, const float *x, int64_t K,
+                                                                  const uint8_t *w, const uint8_t *s, float *out) {
+    const int64_t row_bytes = K / 2, row_scales = K / 32;
+    __m256 a[MAX_C];
+    for (int c = 0; c < C; c++) a[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < row_scales; b++) {
+        const float *xb = x + b * 32;
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
+            __m256 v[4];
+            decode_block8(w + c * row_bytes + b * 16, s[c * row_scales + b], v);
+            for (int i = 0; i < 4; i++) a[c] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xb + 8 * i), a[c]);
+        }
+    }
+    for (int c = 0; c < C; c++) out[c] = lanes_sum(a[c]);
+}
+
+/* weight rows [j, j + C) of one expert, each C its own specialised code */
+#define CASE(C) case C: row_tile_packed(C, x, K, we + j * (K / 2), se + j * (K / 32), out); break;
+static void row_times_packed(const float *x, int64_t K, const uint8_t *we, const uint8_t *se, int64_t j, int C,
+                             float *out) {
+    switch (C) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
+}
+#undef CASE
+#else
+#define decode_block decode_block_in_order
 #endif
 
 /* weight rows [j, j + C) of one expert as float32 rows of K into panel */
@@ -111,10 +153,19 @@ static void decode_rows(const uint8_t *we, const uint8_t *se, int64_t K, int64_t
  * groups) still spreads over the threads. */
 #define ROW_CHUNK 48
 
-void mxfp4_grouped_gemm(const float *x, int64_t K, const int64_t *offsets, const int64_t *experts, int64_t G,
-                        const uint8_t *packed, const uint8_t *scales, int64_t N, float *out, int num_threads) {
+int mxfp4_grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, const int64_t *experts, int64_t G,
+                       const uint8_t *packed, const uint8_t *scales, int64_t N, float *out, int num_threads) {
     const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;
     const int64_t row_bytes = K / 2, row_scales = K / 32;
+#ifdef PERMUTED_COLUMNS
+    float *x_perm = malloc(sizeof(float) * (size_t)(offsets[G] * K + 1));
+    if (x_perm == NULL) return -1;
+    permute_rows(x_in, offsets[G], K, x_perm);
+    const float *x = x_perm;
+#else
+    const float *x = x_in;
+#endif
+    int status = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         float *panel = malloc(sizeof(float) * MAX_C * K);
@@ -122,6 +173,10 @@ void mxfp4_grouped_gemm(const float *x, int64_t K, const int64_t *offsets, const
         for (int64_t item = 0; item < G * chunks; item++) {
             const int64_t g = item / chunks, c = item % chunks;
             const int64_t t0 = offsets[g], t1 = offsets[g + 1];
+            if (panel == NULL) {
+#pragma omp atomic write
+                status = -1;
+            }
             if (t0 == t1 || panel == NULL) continue;
             const uint8_t *we = packed + experts[g] * N * row_bytes;
             const uint8_t *se = scales + experts[g] * N * row_scales;
@@ -142,6 +197,10 @@ void mxfp4_grouped_gemm(const float *x, int64_t K, const int64_t *offsets, const
         }
         free(panel);
     }
+#ifdef PERMUTED_COLUMNS
+    free(x_perm);
+#endif
+    return status;
 }
 
 void mxfp4_dequantize(const int64_t *experts, int64_t G, const uint8_t *packed, const uint8_t *scales, int64_t N,
@@ -151,7 +210,7 @@ void mxfp4_dequantize(const int64_t *experts, int64_t G, const uint8_t *packed, 
     for (int64_t i = 0; i < G * blocks; i++) {
         const int64_t g = i / blocks, b = i % blocks;
         const int64_t e = experts[g];
-        decode_block(packed + (e * blocks + b) * 16, scales[e * blocks + b], out + (g * blocks + b) * 32);
+        decode_block_in_order(packed + (e * blocks + b) * 16, scales[e * blocks + b], out + (g * blocks + b) * 32);
     }
 }
 
@@ -190,11 +249,11 @@ int mxfp4_moe_tokens(const void *h, int64_t h_stride, int h_bf16, int64_t T, int
         const char *row = (const char *)h + (slot[s] / k) * h_stride * es;
         for (int64_t c = 0; c < d; c++) x[s * d + c] = load_value(row, c, h_bf16);
     }
-    mxfp4_grouped_gemm(x, d, offsets, experts, G, w13, w13_scales, 2 * I, gu, num_threads);
+    if (mxfp4_grouped_gemm(x, d, offsets, experts, G, w13, w13_scales, 2 * I, gu, num_threads) != 0) goto done;
     for (int64_t s = 0; s < S; s++)
         for (int64_t c = 0; c < I; c++)
             act[s * I + c] = gated_act(gu[s * 2 * I + c], gu[s * 2 * I + I + c], act_kind, beta, linear_beta);
-    mxfp4_grouped_gemm(act, I, offsets, experts, G, w2, w2_scales, d, y, num_threads);
+    if (mxfp4_grouped_gemm(act, I, offsets, experts, G, w2, w2_scales, d, y, num_threads) != 0) goto done;
     memset(out, 0, sizeof(float) * (size_t)(T * d));
     for (int64_t s = 0; s < S; s++) {
         float *o = out + (slot[s] / k) * d;
