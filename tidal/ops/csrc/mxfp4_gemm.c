@@ -251,8 +251,7 @@ int mxfp4_moe_tokens(const void *h, int64_t h_stride, int h_bf16, int64_t T, int
     }
     if (mxfp4_grouped_gemm(x, d, offsets, experts, G, w13, w13_scales, 2 * I, gu, num_threads) != 0) goto done;
     for (int64_t s = 0; s < S; s++)
-        for (int64_t c = 0; c < I; c++)
-            act[s * I + c] = gated_act(gu[s * 2 * I + c], gu[s * 2 * I + I + c], act_kind, beta, linear_beta);
+        gated_act_row(gu + s * 2 * I, gu + s * 2 * I + I, act + s * I, I, act_kind, beta, linear_beta);
     if (mxfp4_grouped_gemm(act, I, offsets, experts, G, w2, w2_scales, d, y, num_threads) != 0) goto done;
     memset(out, 0, sizeof(float) * (size_t)(T * d));
     for (int64_t s = 0; s < S; s++) {
