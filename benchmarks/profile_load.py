@@ -3,7 +3,7 @@
 
     python benchmarks/profile_load.py CHECKPOINT_DIR [--strategy lazy eager] [--rounds 2] [--tree NAME=PATH ...]
 
-Per load: wall seconds; thread-seconds and bytes in ``MappedFiles.populate`` (mapped weights:
+Per load: wall seconds; thread-seconds and bytes in ``MappedFiles.populate_ranges`` (mapped weights:
 MADV_POPULATE_READ reads the file into the page cache and maps it) and in ``read_block`` (preadv
 into memory of the process's own, the first touch of each new page included); the main thread's
 remaining time (model build on the meta device, header checks, conversions, waiting on the
@@ -33,17 +33,17 @@ import tidal.model.mapped as mp
 spent, done = collections.defaultdict(float), collections.defaultdict(int)
 lock = threading.Lock()
 
-def timed(owner, name, key):
+def timed(owner, name, key, nbytes):
     f = getattr(owner, name)
     def g(*a, **k):
         t = time.perf_counter(); r = f(*a, **k); dt = time.perf_counter() - t
         with lock:
-            spent[key] += dt; done[key] += r.numel() * r.element_size()
+            spent[key] += dt; done[key] += nbytes(a, r)
         return r
     setattr(owner, name, g)
 
-timed(mp.MappedFiles, "populate", "populate (mapped)")
-timed(ck, "read_block", "preadv (own memory)")
+timed(mp.MappedFiles, "populate_ranges", "populate (mapped)", lambda a, r: sum(hi - lo for lo, hi in a[-1]))
+timed(ck, "read_block", "preadv (own memory)", lambda a, r: r.numel() * r.element_size())
 r0 = resource.getrusage(resource.RUSAGE_SELF)
 t = time.perf_counter()
 ck.load_model({ckpt!r}, torch.bfloat16, use_mmap={mmap})
