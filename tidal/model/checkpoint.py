@@ -468,13 +468,14 @@ class _Progress:
         )
 
 
-# The first this many bytes of a load's reads are requested before the model is built, so the
-# disk reads while the CPU builds it (the rest follow the load's own reads, which queue their spans).
+# The first this many bytes of a load's reads are asked for before the model is built. The kernel
+# starts only a few MB of a POSIX_FADV_WILLNEED request, so this overlaps little of the build (a
+# reader thread of our own, through a buffer, competes with the load's populate and is slower).
 EARLY_BYTES = 512 << 20
 
 
 def read_early(ckpt: _Checkpoint, pieces: Iterable[tuple[str, int, int]]) -> None:
-    """Start reading (POSIX_FADV_WILLNEED: asynchronous read-ahead into the page cache) the first
+    """Ask for read-ahead (POSIX_FADV_WILLNEED: asynchronous, into the page cache) of the first
     EARLY_BYTES of ``pieces``, (file, offset, bytes) in the order the load reads them."""
     left = EARLY_BYTES
     for file, offset, nbytes in pieces:

@@ -64,10 +64,10 @@ class MappedFiles:
         self.populate_ranges([(start, end)])
 
     def populate_ranges(self, ranges: list[tuple[int, int]]) -> None:
-        """:meth:`populate` of mapped address ranges [start, end), in file order. Their reads are
-        first queued all at once (MADV_WILLNEED: asynchronous read-ahead, which a caller on another
-        thread issues while the ranges before are still being mapped), then their pages are mapped,
-        one caller at a time: a fault alone would read one read-around window and wait for it."""
+        """:meth:`populate` of mapped address ranges [start, end), in file order: each range first
+        asks for read-ahead (MADV_WILLNEED; the kernel starts a few MB of it, which a caller on
+        another thread does while the ranges before are still being mapped), then their pages are
+        mapped, one caller at a time."""
         ranges = [(start // PAGE * PAGE, end) for start, end in ranges]
         for start, end in ranges:
             _madvise(start, end - start, _MADV_WILLNEED)
