@@ -161,8 +161,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleResult]:
     raw = process_logits(logits, rows)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
-    tokens = torch.empty(B, dtype=torch.long, device=dev)
-    if greedy:
+    if len(greedy) == B:  # every row greedy (the usual decode step): no gather of the rows
+        tokens = raw.argmax(dim=-1)
+    else:
+        tokens = torch.empty(B, dtype=torch.long, device=dev)
+    if greedy and len(greedy) < B:
         tokens[greedy] = raw[greedy].argmax(dim=-1)
     if random:
         sub = [rows[i] for i in random]

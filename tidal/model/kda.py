@@ -97,14 +97,14 @@ class KimiDeltaAttention(nn.Module):
                 and not batch_invariant.enabled():
             o = verify_kda_fused(qkv, z, gate, b, conv_state, rec_state, batch, conv_weight=self._conv_weight(),
                                  A_log=self.A_log, dt_bias=self.dt_bias,
-                                 lower_bound=self.config.kda_gate_lower_bound, o_norm_weight=self.o_norm.weight,
+                                 lower_bound=self.config.kda_gate_lower_bound, o_norm_weight=self._o_norm_weight(),
                                  eps=self.config.rms_norm_eps)
             if o is not None:
                 return self.o_proj(o.to(x.dtype))
         if batch.is_decode and T and not batch_invariant.enabled():
             o = fused_decode.kda_layer_decode(
                 qkv, z, gate, b, conv_state, rec_state, batch.decode_slots(x.device), self._conv_weight(),
-                self.A_log, self.dt_bias, self.config.kda_gate_lower_bound, self.o_norm.weight,
+                self.A_log, self.dt_bias, self.config.kda_gate_lower_bound, self._o_norm_weight(),
                 self.config.rms_norm_eps)
             if o is not None:
                 return self.o_proj(o.to(x.dtype))
@@ -118,6 +118,14 @@ class KimiDeltaAttention(nn.Module):
         o = self._delta_rule((q, k, v, g, beta), rec_state, batch)  # [T, H, V] in state dtype
         o = rms_norm(o, self.o_norm.weight, self.config.rms_norm_eps) * torch.sigmoid(gate.view(T, H, K).to(o.dtype))
         return self.o_proj(o.flatten(1).to(x.dtype))
+
+    def _o_norm_weight(self) -> torch.Tensor:
+        """The output norm's weight in float32, as the fused kernels read it (kept while it does not
+        change: a bf16 model would otherwise cast it at every step)."""
+        w = self.o_norm.weight
+        if w.dtype not in (torch.bfloat16, torch.float16):
+            return w
+        return derived_weight(self, "_o_norm_weight_f32", (w,), lambda: w.to(torch.float32).contiguous())
 
     def _conv_weight(self) -> torch.Tensor:
         """The q|k|v conv weights as one float32 [3P, W] tensor (kept while they do not change)."""
