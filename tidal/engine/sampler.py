@@ -161,13 +161,12 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleResult]:
     raw = process_logits(logits, rows)
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if len(greedy) == B:  # every row greedy (the usual decode step): no gather of the rows
+    if not random:  # every row greedy (the usual decode step): no gather of the rows
         tokens = raw.argmax(dim=-1)
     else:
         tokens = torch.empty(B, dtype=torch.long, device=dev)
-    if greedy and len(greedy) < B:
-        tokens[greedy] = raw[greedy].argmax(dim=-1)
-    if random:
+        if greedy:
+            tokens[greedy] = raw[greedy].argmax(dim=-1)
         sub = [rows[i] for i in random]
         x = filter_logits(raw[random], sub)
         probs = x.softmax(dim=-1)

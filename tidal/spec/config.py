@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ALGORITHMS = ("NGRAM", "STANDALONE", "DSPARK")
 # Algorithms this build can run (the others are named so that asking for them gets a clear error).
@@ -38,6 +38,9 @@ class SpeculativeConfig:
     # A request whose recent drafts are mostly rejected (running acceptance below this) stops
     # drafting for a while, then probes again: a chain that is rejected costs more than a decode.
     min_accept_rate: float = 0.25
+    # Whether num_draft_tokens was defaulted (then a DSPARK block is cut to the drafter's trained
+    # block size: tidal.spec.decoder.make_drafter); set from num_draft_tokens, never passed.
+    default_num_draft_tokens: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         algo = (self.algorithm or "").upper()
@@ -51,7 +54,6 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_algorithm {algo} needs speculative_draft_model_path")
         if self.dspark_block_size is not None and algo == "DSPARK":
             self.num_draft_tokens = self.dspark_block_size
-        # A defaulted DSPARK block is cut to the drafter's trained block size (tidal.spec.decoder).
         self.default_num_draft_tokens = self.num_draft_tokens is None
         if self.num_draft_tokens is None:
             self.num_draft_tokens = DEFAULT_DSPARK_BLOCK_SIZE if algo == "DSPARK" else DEFAULT_NUM_DRAFT_TOKENS

@@ -62,7 +62,7 @@ def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
         if target is None or next(target.parameters()).device.type == "meta":
             raise ValueError("speculative_algorithm DSPARK needs the target model in the engine's process "
                              "(tp_size, ep_size and dcp_size 1)")
-        if getattr(config, "default_num_draft_tokens", False) and os.path.isdir(config.draft_model_path):
+        if config.default_num_draft_tokens and os.path.isdir(config.draft_model_path):
             config.num_draft_tokens = min(config.num_draft_tokens, DsparkConfig.read(config.draft_model_path).block_size)
         return DsparkDrafter.from_path(config.draft_model_path, target, config.num_draft_tokens,
                                        max_requests or DEFAULT_CONTEXT_REQUESTS)
