@@ -78,12 +78,15 @@ def test_dense_checkpoint_packed_at_load_as_tidal_quantize_rounds(tmp_path):
 
 
 RSS_SCRIPT = """
-import sys, torch
+import gc, sys, torch
 from tidal.model.checkpoint import load_model
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
 with torch.device("meta"):  # torch's own one-time imports for meta tensors (torch._dynamo): ~75 MB
     torch.nn.Embedding(2, 2)
+# the imports' garbage freed now, not by a collection during the load (which would credit the load
+# with memory that was never its own: the peak would depend on when the collector runs)
+gc.collect()
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
 base = status("VmRSS:")
 m = load_model(sys.argv[1], torch.bfloat16, quantization=sys.argv[2] or None)

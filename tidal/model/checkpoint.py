@@ -501,11 +501,12 @@ def _one_thread():
 
 
 def without_gc(load: Callable[..., Any]) -> Callable[..., Any]:
-    """``load`` with Python's cyclic garbage collector paused while it runs. Building a model
-    allocates many small objects, and each full collection on the way walks every object of the
-    process (a rank process's imports hold many): collections were most of a rank's model build.
-    The collector resumes after the load. Used by the rank loader only: in one process, garbage
-    left for later raised a packed load's peak resident memory above the 1.2x-of-tensor-bytes bound (tests/test_packed_experts.py)."""
+    """``load`` with Python's cyclic garbage collector paused while it runs. A load allocates many
+    small objects (the model's modules, the views), and when that tips the collector into a full
+    collection, the collection walks every object of the process (torch's imports: hundreds of
+    thousands), which costs more than the load of a small model itself. The load's own objects are
+    freed by reference counting (its buffers are in no cycle); the collector resumes after it.
+    ``tests/test_packed_experts.py`` bounds a load's peak resident memory with the pause on."""
 
     @functools.wraps(load)
     def paused(*args: Any, **kwargs: Any) -> Any:
@@ -545,6 +546,7 @@ def resolve_quantization(config: ModelConfig, quantization: str | None) -> str |
     return quantization
 
 
+@without_gc
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
     quantization: str | None = None, use_mmap: bool = True,
