@@ -14,6 +14,8 @@ import torch
 from tidal import LLM, SamplingParams
 from tidal.embedded import embedded_model_dir
 from tidal.model.attn_res import attn_res
+from tidal.model.context import SimpleCache, simple_batch
+from tidal.model.kda import KimiDeltaAttention
 from tidal.model.layers import rms_norm
 from tidal.model.moe import Experts, PackedExperts, Router
 from tidal.ops import cpu_kernels, dense, fused_decode
@@ -21,7 +23,7 @@ from tidal.ops.activation import situ, swiglu
 from tidal.ops.kda import kda_gate, kda_recurrent, l2_normalize
 from tidal.ops.mxfp import dequantize_mxfp4
 from tidal.ops.short_conv import causal_conv_step
-from tidal.presets import tiny_k3
+from tidal.presets import tiny_k3, tiny_kimi_linear
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -334,6 +336,116 @@ def test_kda_layer_step_is_bitwise_batch_and_thread_invariant():
     assert torch.equal(layers[0].conv, layers[1].conv)
 
 
+# ---- the whole KDA layer in one call ---------------------------------------------------------------
+
+
+def bf16_kda_layer(config, seed: int) -> KimiDeltaAttention:
+    """A bfloat16 KDA layer (float32 A_log and dt_bias, as the loader keeps them) with random weights."""
+    torch.manual_seed(seed)
+    layer = KimiDeltaAttention(config, 0)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if name == "dt_bias":
+                p.normal_(-2.0, 0.5)
+            elif name in ("o_norm.weight", "A_log"):
+                p.normal_(1.0 if name == "o_norm.weight" else 0.0, 0.3)
+            elif "conv1d" in name:
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+            if name not in ("A_log", "dt_bias"):
+                p.data = p.data.bfloat16()
+    return layer
+
+
+def decode_steps(layer: KimiDeltaAttention, xs: torch.Tensor, slots: list[int], cache: SimpleCache) -> torch.Tensor:
+    """xs [steps, len(slots), hidden]: one decode token per sequence per step, sequence i in state slot
+    slots[i] of the cache (all of the cache's slots taking part). Returns the outputs [steps, n, hidden]."""
+    outs = []
+    n = len(slots)
+    cache.state_slots = slots
+    for t in range(xs.shape[0]):
+        batch = simple_batch(layer.config, [1] * n, cache, [t] * n)
+        with torch.inference_mode():
+            outs.append(layer(xs[t], batch))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("preset", [tiny_k3, tiny_kimi_linear])
+def test_kda_whole_layer_step_matches_float64_token_by_token(monkeypatch, preset):
+    """A bfloat16 layer decoding 3 sequences for 12 steps through the one-call step: outputs and both
+    states against the float64 layer (the model's torch ops) on the same weights, token by token, within
+    the bfloat16 roundings of the intermediates; and the one-call step really ran."""
+    config = preset()
+    layer = bf16_kda_layer(config, seed=21)
+    ref_layer = bf16_kda_layer(config, seed=21).to(torch.float64)
+    calls = []
+    real = fused_decode.kda_layer_step
+    monkeypatch.setattr(fused_decode, "kda_layer_step", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(22)
+    xs = torch.randn(12, 3, config.hidden_size, generator=gen)
+    cache, ref_cache = SimpleCache(config, 3, torch.bfloat16), SimpleCache(config, 3, torch.float64)
+    got = decode_steps(layer, xs.bfloat16(), [2, 0, 1], cache)
+    want = decode_steps(ref_layer, xs.bfloat16().double(), [2, 0, 1], ref_cache)
+    assert len(calls) == 12 and got.dtype == torch.bfloat16
+    scale = want.abs().max()
+    assert (got.double() - want).abs().max() / scale < 0.03
+    conv, rec = cache.kda_state(0)
+    ref_conv, ref_rec = ref_cache.kda_state(0)
+    for state, ref in ((conv, ref_conv), (rec, ref_rec)):  # conv: the projections, rounded to bfloat16
+        assert (state.double() - ref).abs().max() / ref.abs().max() < 0.03
+
+
+@pytest.mark.parametrize("preset", [tiny_k3, tiny_kimi_linear])
+def test_kda_whole_layer_step_has_the_bits_of_the_separate_calls(monkeypatch, preset):
+    """The one call == the calls it replaces (parts product, f_b, the recurrent kernel, o_proj), bit
+    for bit, in outputs and states; a row alone == in the batch and 1 == 2 threads, bitwise."""
+    config = preset()
+    layer = bf16_kda_layer(config, seed=23)
+    gen = torch.Generator().manual_seed(24)
+    xs = torch.randn(5, 4, config.hidden_size, generator=gen).bfloat16()
+    slots = [3, 1, 0, 2]
+    runs = {}
+    for name, fused, n in (("fused", True, 2), ("separate", False, 2), ("one thread", True, 1)):
+        with monkeypatch.context() as m, threads(n):
+            if not fused:
+                m.setattr(fused_decode, "kda_layer_step", lambda *a: None)
+            cache = SimpleCache(config, 4, torch.bfloat16)
+            runs[name] = (decode_steps(layer, xs, slots, cache), *(t.clone() for t in cache.kda_state(0)))
+    alone = []
+    for i, s in enumerate(slots):
+        cache = SimpleCache(config, 1, torch.bfloat16)
+        alone.append(decode_steps(layer, xs[:, i : i + 1], [0], cache))
+    for name in ("separate", "one thread"):
+        assert all(torch.equal(a, b) for a, b in zip(runs["fused"], runs[name])), name
+    assert torch.equal(runs["fused"][0], torch.cat(alone, dim=1))
+
+
+def test_kda_step_plan_follows_replaced_weights_and_declines_what_it_does_not_take(monkeypatch):
+    """A weight given new storage rebuilds the plan (the old addresses would read freed memory); a
+    float32 layer, TIDAL_CPU_KERNELS=0 and batch invariance run the separate path."""
+    config = tiny_k3()
+    layer = bf16_kda_layer(config, seed=25)
+    x = torch.randn(2, config.hidden_size, generator=torch.Generator().manual_seed(26)).bfloat16()
+
+    def one_step(fused: bool = True) -> torch.Tensor:
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(fused_decode, "kda_layer_step", lambda *a: None)
+            return decode_steps(layer, x[None], [0, 1], SimpleCache(config, 2, torch.bfloat16))[0]
+
+    first = one_step()
+    plan = layer._step_plan()
+    assert plan is not None and layer._step_plan() is plan
+    layer.o_proj.weight.data = (2 * layer.o_proj.weight.data).clone()  # new storage, new values
+    assert layer._step_plan() is not plan
+    assert torch.equal(one_step(), one_step(fused=False)) and not torch.equal(one_step(), first)
+    with torch.no_grad():
+        layer.q_proj.weight.mul_(0.5)  # an in-place write: the same addresses, the plan rebuilt anyway
+    assert torch.equal(one_step(), one_step(fused=False))
+    assert bf16_kda_layer(config, seed=25).float()._step_plan() is None
+
+
 def test_off_switch_and_unsupported_inputs_fall_back(monkeypatch):
     x = torch.randn(3, 16)
     monkeypatch.setenv("TIDAL_FUSED_DECODE", "0")
@@ -350,7 +462,8 @@ def test_kernels_off_when_cpu_kernels_disabled(monkeypatch):
     try:
         monkeypatch.setenv("TIDAL_CPU_KERNELS", "0")
         for fn in (cpu_kernels._library, cpu_kernels.rms_norm_kernel, cpu_kernels.attn_res_kernels,
-                   cpu_kernels.kda_layer_decode_kernel, cpu_kernels.moe_router_kernel):
+                   cpu_kernels.kda_layer_decode_kernel, cpu_kernels.kda_layer_step_kernels,
+                   cpu_kernels.moe_router_kernel):
             fn.cache_clear()
         x = torch.randn(3, 16)
         assert fused_decode.rms_norm(x, None, 1e-6) is None
@@ -369,7 +482,8 @@ def test_kernels_off_when_cpu_kernels_disabled(monkeypatch):
     finally:
         monkeypatch.delenv("TIDAL_CPU_KERNELS")
         for fn in (cpu_kernels._library, cpu_kernels.rms_norm_kernel, cpu_kernels.attn_res_kernels,
-                   cpu_kernels.kda_layer_decode_kernel, cpu_kernels.moe_router_kernel):
+                   cpu_kernels.kda_layer_decode_kernel, cpu_kernels.kda_layer_step_kernels,
+                   cpu_kernels.moe_router_kernel):
             fn.cache_clear()
 
 
@@ -510,12 +624,12 @@ def test_engine_greedy_tokens_equal_with_and_without_the_fused_kernels(monkeypat
     assert greedy(False) == want
 
 
-@pytest.mark.parametrize("kernel", ["mla_absorbed_for", "router"])
+@pytest.mark.parametrize("kernel", ["mla_absorbed_for", "router", "kda_layer_step"])
 def test_engine_bf16_greedy_tokens_equal_with_and_without_a_kernel(monkeypatch, kernel):
     """bfloat16 embedded model: the same greedy tokens, batched and alone, whether MLA decode reads
     kv_b_proj's bf16 weight in place (csrc/mla_decode.c) or through the float32 copy of the torch
     path, and whether the router runs in one C call (csrc/moe_router.c) or as the torch ops of
-    tidal/model/moe.py."""
+    tidal/model/moe.py, and whether a KDA layer's decode step is one C call or the separate ones."""
     from tidal.ops import mla as mla_ops
 
     owner = mla_ops if kernel == "mla_absorbed_for" else fused_decode

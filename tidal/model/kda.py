@@ -86,6 +86,14 @@ class KimiDeltaAttention(nn.Module):
         T = x.shape[0]
         H, K = self.num_heads, self.head_dim
         conv_state, rec_state = batch.cache.kda_storage(self.kda_index)
+        # A pure decode step of a bfloat16 layer: the whole layer in one kernel call (under batch
+        # invariance the torch ops below: see the recurrent part's call).
+        if batch.is_decode and T and not batch_invariant.enabled():
+            plan = self._step_plan()
+            if plan is not None:
+                out = fused_decode.kda_layer_step(plan, x, conv_state, rec_state, batch.decode_slots(x.device))
+                if out is not None:
+                    return out
         sdt = rec_state.dtype
         qkv, f_a, gate, b = self._project(x)
         z = self.f_b_proj(f_a)
@@ -118,6 +126,19 @@ class KimiDeltaAttention(nn.Module):
         o = self._delta_rule((q, k, v, g, beta), rec_state, batch)  # [T, H, V] in state dtype
         o = rms_norm(o, self.o_norm.weight, self.config.rms_norm_eps) * torch.sigmoid(gate.view(T, H, K).to(o.dtype))
         return self.o_proj(o.flatten(1).to(x.dtype))
+
+    def _step_plan(self) -> fused_decode.KdaStepPlan | None:
+        """The layer's weights as the one-call decode step takes them (kept while none changes),
+        or None where it does not take them (float32 or fused projections, another device)."""
+        gate = self.g_proj if self.config.kda_full_rank_gate else self.g_a_proj
+        g_b = None if self.config.kda_full_rank_gate else self.g_b_proj.weight
+        in_ws = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj)]
+        params = (*in_ws, self.f_b_proj.weight, self.o_proj.weight, *([g_b] if g_b is not None else []),
+                  self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, self.A_log, self.dt_bias,
+                  self.o_norm.weight)
+        return derived_weight(self, "_step_plan_cached", params, lambda: fused_decode.kda_step_plan(
+            in_ws, self.f_b_proj.weight, g_b, self.o_proj.weight, self._conv_weight(), self.A_log, self.dt_bias,
+            self.config.kda_gate_lower_bound, self._o_norm_weight(), self.config.rms_norm_eps))
 
     def _o_norm_weight(self) -> torch.Tensor:
         """The output norm's weight in float32, as the fused kernels read it (kept while it does not

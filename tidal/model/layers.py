@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 from torch import nn
@@ -74,10 +74,14 @@ def linear(in_features: int, out_features: int) -> nn.Linear:
     return Linear(in_features, out_features, bias=False)
 
 
+Derived = TypeVar("Derived")
+
+
 def derived_weight(owner: nn.Module, name: str, params: tuple[torch.Tensor, ...],
-                   make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """``make()`` (a tensor computed from ``params`` alone, e.g. a concatenation), kept on ``owner``
-    under ``name`` until one of the parameters changes (storage, dtype, shape or an in-place write)."""
+                   make: Callable[[], Derived]) -> Derived:
+    """``make()`` (a tensor computed from ``params`` alone, e.g. a concatenation, or a kernel's plan
+    of their addresses), kept on ``owner`` under ``name`` until one of the parameters changes
+    (storage, dtype, shape or an in-place write)."""
     key = tuple((p.data_ptr(), p.dtype, p.shape, _version(p)) for p in params)
     cached = owner.__dict__.get(name)
     if cached is None or cached[0] != key:

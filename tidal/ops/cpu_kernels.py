@@ -405,6 +405,33 @@ def kda_layer_decode_kernel() -> Callable | None:
                       _PTR, _I64, _I64, _I64, _I64, ctypes.c_int])
 
 
+class KdaLayerWeights(ctypes.Structure):
+    """csrc/kda_layer_decode.c's ``struct kda_layer_weights``: a bfloat16 KDA layer's weights by
+    address (the six input projections q, k, v, f_a, output gate, b; f_b, g_b, o_proj; the float32
+    conv weight, A_log, dt_bias, output-norm weight) and its sizes."""
+
+    _fields_ = [
+        ("hidden", _I64), ("heads", _I64), ("head_dim", _I64), ("conv_kernel", _I64), ("gate_rank", _I64),
+        ("in_w", _PTR * 6), ("in_stride", _I64 * 6), ("in_rows", _I64 * 6),
+        ("f_b_w", _PTR), ("g_b_w", _PTR), ("o_w", _PTR), ("f_b_stride", _I64), ("g_b_stride", _I64),
+        ("o_stride", _I64), ("conv_w", _PTR), ("A_log", _PTR), ("dt_bias", _PTR), ("o_norm_w", _PTR),
+        ("a_per_head", _I64), ("has_lb", _I64), ("lower_bound", ctypes.c_float), ("eps", ctypes.c_float),
+    ]
+
+
+@cache
+def kda_layer_step_kernels() -> tuple[Callable, Callable] | None:
+    """(csrc/kda_layer_decode.c's ``kda_layer_step``, ``kda_layer_step_scratch``), or None."""
+    step = _function("kda_layer_decode", "kda_layer_step",
+                     [ctypes.POINTER(KdaLayerWeights), _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, _PTR, _I64, _PTR,
+                      _PTR, _PTR, ctypes.c_int])
+    scratch = _function("kda_layer_decode", "kda_layer_step_scratch", [ctypes.POINTER(KdaLayerWeights)])
+    if step is None or scratch is None:
+        return None
+    step.restype, scratch.restype = ctypes.c_int, _I64
+    return step, scratch
+
+
 @cache
 def moe_router_kernel() -> Callable | None:
     """csrc/moe_router.c's ``moe_router_topk`` (scores, bias-corrected grouped top-k, weights), or None."""

@@ -13,6 +13,7 @@ batch or the thread count.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,7 +23,9 @@ from tidal.ops.cpu_kernels import (
     activation_kernel,
     attn_res_kernels,
     fused_decode_enabled,
+    KdaLayerWeights,
     kda_layer_decode_kernel,
+    kda_layer_step_kernels,
     moe_router_kernel,
     mxfp4_moe_kernel,
     rms_norm_kernel,
@@ -198,9 +201,7 @@ def kda_layer_decode(
     T = qkv.shape[0]
     N, H, K, V = rec_state.shape
     W = conv_weight.shape[1]
-    if (not _applies(qkv, z, gate, b, conv_state) or rec_state.dtype != torch.float32 or rec_state.device.type != "cpu"
-            or V != K or K > MAX_HEAD_DIM or rec_state.stride()[1:] != (K * V, V, 1)
-            or conv_state.stride()[1:] != (conv_state.shape[2], 1) or conv_state.shape[1] != W - 1
+    if (not _applies(qkv, z, gate, b, conv_state) or not _kda_states_ok(conv_state, rec_state, W)
             or any(t.dtype != qkv.dtype or not _rows_ok(t) for t in (qkv, z, gate, b))
             or (qkv.shape[1], z.shape[1], gate.shape[1], b.shape[1]) != (3 * H * K, H * K, H * K, H)
             or slots.shape != (T,) or A_log.shape not in ((H, 1), (1, K))
@@ -218,4 +219,94 @@ def kda_layer_decode(
        _ptr(conv_weight), _ptr(A_log), int(A_log.shape == (H, 1)), _ptr(dt_bias),
        0.0 if lower_bound is None else lower_bound, int(lower_bound is not None), _ptr(o_norm_weight), eps,
        _ptr(out), T, H, K, W, torch.get_num_threads())
+    return out
+
+
+def _kda_states_ok(conv_state: torch.Tensor, rec_state: torch.Tensor, W: int) -> bool:
+    """The pool layouts the KDA kernels index by slot: float32 CPU recurrent states [N, H, K, K] with
+    each slot's block contiguous, conv states [N, W-1, 3P] with contiguous rows."""
+    _, _, K, V = rec_state.shape
+    return (rec_state.dtype == torch.float32 and rec_state.device.type == "cpu" and V == K and K <= MAX_HEAD_DIM
+            and rec_state.stride()[1:] == (K * V, V, 1) and conv_state.stride()[1:] == (conv_state.shape[2], 1)
+            and conv_state.shape[1] == W - 1)
+
+
+@dataclass
+class KdaStepPlan:
+    """One bfloat16 KDA layer as :func:`kda_layer_step` hands it to C: the weights' addresses (in
+    ``weights``; ``tensors`` keeps what they point into alive), the scratch floats per token, and a
+    scratch buffer kept from step to step (one engine thread runs a layer at a time)."""
+
+    weights: KdaLayerWeights
+    tensors: tuple[torch.Tensor, ...] = field(repr=False)
+    scratch_per_token: int
+    scratch: torch.Tensor = field(repr=False)
+
+
+def kda_step_plan(
+    in_ws: list[torch.Tensor], f_b: torch.Tensor, g_b: torch.Tensor | None, o_w: torch.Tensor,
+    conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+    o_norm_weight: torch.Tensor, eps: float,
+) -> KdaStepPlan | None:
+    """The plan of a KDA layer whose projections are bfloat16 CPU weights with contiguous rows
+    (in_ws: q, k, v, f_a, the output gate's first matrix, b; g_b None for a full-rank gate), or None
+    where :func:`kda_layer_step` does not take it (the layer then runs its separate calls). Build it
+    once per layer while the weights do not change (``tidal.model.layers.derived_weight``)."""
+    kernels = kda_layer_step_kernels()
+    mats = [*in_ws, f_b, o_w, *([g_b] if g_b is not None else [])]
+    if kernels is None or len(in_ws) != 6 or any(
+            w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2 or w.stride(1) != 1 for w in mats):
+        return None
+    H = in_ws[5].shape[0]
+    K = in_ws[3].shape[0]
+    d, P = in_ws[0].shape[1], H * K
+    R = 0 if g_b is None else g_b.shape[1]
+    if (any(w.shape[1] != d for w in in_ws) or sum(w.shape[0] for w in in_ws[:3]) != 3 * P
+            or in_ws[4].shape[0] != (R or P) or f_b.shape != (P, K) or o_w.shape != (d, P)
+            or (g_b is not None and g_b.shape[0] != P) or A_log.shape not in ((H, 1), (1, K))
+            or conv_weight.dtype != torch.float32 or not conv_weight.is_contiguous() or conv_weight.shape[0] != 3 * P):
+        return None
+    A_log, dt_bias, o_norm_weight = _float32(A_log), _float32(dt_bias), _float32(o_norm_weight)
+    if dt_bias.numel() != P or o_norm_weight.numel() != K:
+        return None
+    weights = KdaLayerWeights(
+        hidden=d, heads=H, head_dim=K, conv_kernel=conv_weight.shape[1], gate_rank=R,
+        in_w=(ctypes.c_void_p * 6)(*(w.data_ptr() for w in in_ws)),
+        in_stride=(ctypes.c_int64 * 6)(*(w.stride(0) for w in in_ws)),
+        in_rows=(ctypes.c_int64 * 6)(*(w.shape[0] for w in in_ws)),
+        f_b_w=f_b.data_ptr(), g_b_w=g_b.data_ptr() if g_b is not None else None, o_w=o_w.data_ptr(),
+        f_b_stride=f_b.stride(0), g_b_stride=g_b.stride(0) if g_b is not None else 0, o_stride=o_w.stride(0),
+        conv_w=conv_weight.data_ptr(), A_log=A_log.data_ptr(), dt_bias=dt_bias.data_ptr(),
+        o_norm_w=o_norm_weight.data_ptr(), a_per_head=int(A_log.shape == (H, 1)), has_lb=int(lower_bound is not None),
+        lower_bound=0.0 if lower_bound is None else lower_bound, eps=eps)
+    per_token = kernels[1](ctypes.byref(weights))
+    return KdaStepPlan(weights, (*mats, conv_weight, A_log, dt_bias, o_norm_weight), per_token,
+                       torch.empty(per_token, dtype=torch.float32))
+
+
+def kda_layer_step(plan: KdaStepPlan, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
+                   slots: torch.Tensor) -> torch.Tensor | None:
+    """:meth:`tidal.model.kda.KimiDeltaAttention.forward` of a bfloat16 layer for one token per
+    sequence, in one C call (x [T, hidden] bfloat16 -> [T, hidden] bfloat16; token t in state slot
+    ``slots[t]``, all distinct; the states updated in place): the bits of the separate calls it
+    replaces (the parts product, f_b, :func:`kda_layer_decode`, o_proj). None where it does not
+    apply (see :func:`kda_layer_decode`)."""
+    w = plan.weights
+    T = x.shape[0]
+    if (not _applies(x, conv_state) or x.dtype != torch.bfloat16 or not _rows_ok(x) or x.shape[1] != w.hidden
+            or slots.shape != (T,) or rec_state.shape[1:3] != (w.heads, w.head_dim)
+            or conv_state.shape[2] != 3 * w.heads * w.head_dim or not _kda_states_ok(conv_state, rec_state, w.conv_kernel)):
+        return None
+    kernels = kda_layer_step_kernels()
+    if kernels is None:
+        return None
+    if plan.scratch.numel() < T * plan.scratch_per_token:
+        plan.scratch = torch.empty(T * plan.scratch_per_token, dtype=torch.float32)
+    if slots.dtype != torch.int32 or not slots.is_contiguous():
+        slots = slots.to(torch.int32).contiguous()
+    out = torch.empty(T, w.hidden, dtype=torch.bfloat16)
+    if kernels[0](ctypes.byref(w), _ptr(x), x.stride(0), T, _ptr(conv_state), conv_state.stride(0),
+                  int(conv_state.dtype == torch.bfloat16), _ptr(rec_state), rec_state.stride(0), _ptr(slots), _ptr(out),
+                  _ptr(plan.scratch), torch.get_num_threads()) != 0:
+        raise ValueError("kda_layer_step: the layer's projection sizes do not fit its heads")
     return out

@@ -1,0 +1,69 @@
+/* Float32 rows times bfloat16 weights side by side (bf16_gemm.c, and kda_layer_decode.c's whole
+ * layer step, which multiplies by its projections without leaving C).
+ *
+ * The register tiles and the summation order are row_tiles.h's: a row's result is bitwise
+ * independent of the other rows, M and the thread count. bf16 -> float32 is a 16-bit shift, done in
+ * registers; a tile's weight rows stay in L1 while a block of rows (in L2) passes under them. Work
+ * items are (row block, weight-row chunk) pairs split over threads.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TILE_AVX2 1
+static inline __m256 load8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#define TILE_LOAD8 load8
+#define TILE_PREFETCH 1
+#endif
+
+static inline float bf16(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#define TILE_W uint16_t
+#define TILE_VALUE bf16
+#include "row_tiles.h"
+
+/* Weight rows per work item (a multiple of every tile width), and bytes of x rows per row block. */
+#define COL_CHUNK 48
+#define ROW_BLOCK_BYTES (192 * 1024)
+/* A product of fewer multiply-adds runs on the calling thread: waking a passive OpenMP pool costs
+ * tens of microseconds, more than a second thread saves on a weight of a few hundred KiB. The
+ * summation order does not depend on the thread count, so the bits are the same either way. */
+#define PARALLEL_MIN_MACS (1 << 20)
+#define MAX_PARTS 8
+
+/* x [M, K] (contiguous rows) times P weights side by side, as if their rows were one weight: out
+ * [M, N_0 + ... + N_{P-1}], part p's columns after those of the parts before it; part p is ws[p]
+ * [N_p, K] at row stride w_strides[p]. Each output is the sum on the concatenated weight, bit for
+ * bit, without concatenating it (the parts stay where they are: a checkpoint's mapped pages, say).
+ * Returns 0, or -1 for more than MAX_PARTS parts. */
+static int bf16_parts_product(const float *x, int64_t M, int64_t K, int64_t parts, const uint16_t *const *ws,
+                              const int64_t *w_strides, const int64_t *ns, float *out, int num_threads) {
+    if (parts < 1 || parts > MAX_PARTS) return -1;
+    int64_t first_chunk[MAX_PARTS + 1], first_col[MAX_PARTS + 1];
+    first_chunk[0] = first_col[0] = 0;
+    for (int64_t p = 0; p < parts; p++) {
+        first_chunk[p + 1] = first_chunk[p] + (ns[p] + COL_CHUNK - 1) / COL_CHUNK;
+        first_col[p + 1] = first_col[p] + ns[p];
+    }
+    const int64_t N = first_col[parts], chunks = first_chunk[parts];
+    int64_t mb = ROW_BLOCK_BYTES / (K * (int64_t)sizeof(float) + 1) / MAX_R * MAX_R;
+    if (mb < MAX_R) mb = MAX_R;
+    const int64_t row_blocks = (M + mb - 1) / mb;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && M * N * K >= PARALLEL_MIN_MACS)
+    for (int64_t item = 0; item < row_blocks * chunks; item++) {
+        const int64_t chunk = item % chunks, t0 = item / chunks * mb;
+        int64_t p = 0;
+        while (chunk >= first_chunk[p + 1]) p++;
+        const int64_t j0 = (chunk - first_chunk[p]) * COL_CHUNK;
+        const int64_t t1 = t0 + mb < M ? t0 + mb : M, j1 = j0 + COL_CHUNK < ns[p] ? j0 + COL_CHUNK : ns[p];
+        rows_times_panel(x, K, t0, t1, ws[p] + j0 * w_strides[p], w_strides[p], j0, j1, out + first_col[p], N);
+    }
+    return 0;
+}
