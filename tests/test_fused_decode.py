@@ -322,6 +322,25 @@ def test_kda_layer_step_matches_float64_token_by_token(bound, dtype):
     assert torch.equal(layer.conv.double(), layer.conv_ref)  # the conv state holds the inputs, exactly
 
 
+def test_kda_layer_step_carries_nan_where_the_torch_form_does():
+    """A NaN gate input makes its output NaN; a NaN decay input (z) spoils its head's state and output,
+    and no other head's (the vector sigmoid and exp keep NaN, as libm's do)."""
+    gen = torch.Generator().manual_seed(7)
+    layer = Layer(gen, -5.0, torch.float32)
+    for bound in (-5.0, None):
+        layer.bound = bound
+        qkv, z, gate, b = (x.clone() for x in step_inputs(gen, 2, torch.float32))
+        gate[0, K + 3] = float("nan")  # head 1, channel 3
+        z[1, 2] = float("nan")  # head 0
+        out = layer.kernel((qkv, z, gate, b), [4, 6])
+        nan = torch.zeros(2, P, dtype=torch.bool)
+        nan[0, K + 3] = True
+        nan[1, :K] = True
+        assert torch.equal(out.isnan(), nan)
+        assert layer.rec[6, 0].isnan().any() and not layer.rec[6, 1:].isnan().any()
+        layer.rec[6].zero_()
+
+
 def test_kda_layer_step_is_bitwise_batch_and_thread_invariant():
     gen = torch.Generator().manual_seed(6)
     inputs = step_inputs(gen, 8, torch.float32)

@@ -23,8 +23,40 @@
 #include "bf16_parts.h"
 #include "bf16_scalar.h"
 #include "delta_rule.h"
+#include "gated_act.h"
 
 static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* y = sigmoid(x) * (mul ? mul : 1) over n values; on AVX2 builds 8 at a time from the start with
+ * gated_act.h's vector exp, the n % 8 tail with libm's: which form a value gets depends only on its
+ * place in the head, so a row's bits do not depend on the batch. sigmoid(NaN) is NaN, as libm's. */
+static inline void sigmoid_row(const float *x, const float *mul, float *y, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), xv));
+        __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        s = _mm256_blendv_ps(s, xv, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));  /* exp8 clamps NaN away */
+        if (mul != NULL) s = _mm256_mul_ps(_mm256_loadu_ps(mul + i), s);
+        _mm256_storeu_ps(y + i, s);
+    }
+#endif
+    for (; i < n; i++) y[i] = mul != NULL ? mul[i] * sigmoidf(x[i]) : sigmoidf(x[i]);
+}
+
+/* y = e^x over n values, as sigmoid_row splits them (NaN stays NaN) */
+static inline void exp_row(const float *x, float *y, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + i);
+        _mm256_storeu_ps(y + i, _mm256_blendv_ps(exp8(xv), xv, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q)));
+    }
+#endif
+    for (; i < n; i++) y[i] = expf(x[i]);
+}
 
 static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
@@ -40,23 +72,26 @@ static void kda_token_head(const char *x, const char *zr, const char *gr, const 
                            float eps, float *y, int64_t h, int64_t H, int64_t K, int64_t W) {
     const int64_t P = H * K, C = 3 * P;
     const float q_scale = 1.0f / sqrtf((float)K);
-    float qkvh[3][K], g[K], r[K], o[K];
+    float qkvh[3][K], g[K], r[K], o[K], u[K];
     /* short conv + SiLU over the head's channels of q, k and v; the state keeps the last W-1
      * pre-conv inputs, oldest first */
     for (int part = 0; part < 3; part++) {
+        float *acc = qkvh[part];
         for (int64_t i = 0; i < K; i++) {
             const int64_t c = part * P + h * K + i;
             const float *wc = conv_w + c * W;
             const float xn = load_value(x, c, in_bf16);
-            float acc = 0.0f;
-            for (int64_t j = 0; j < W - 1; j++) acc += load_value(cs, j * C + c, conv_bf16) * wc[j];
-            acc += xn * wc[W - 1];
+            float a = 0.0f;
+            for (int64_t j = 0; j < W - 1; j++) a += load_value(cs, j * C + c, conv_bf16) * wc[j];
+            a += xn * wc[W - 1];
             for (int64_t j = 0; j + 1 < W - 1; j++)
                 store_value(cs, j * C + c, load_value(cs, (j + 1) * C + c, conv_bf16), conv_bf16);
             if (W > 1) store_value(cs, (W - 2) * C + c, xn, conv_bf16);
-            const float act = acc * sigmoidf(acc);
-            qkvh[part][i] = round_bf16 ? bf16_round(act) : act;
+            acc[i] = a;
         }
+        sigmoid_row(acc, acc, acc, K);  /* SiLU: acc * sigmoid(acc) */
+        if (round_bf16)
+            for (int64_t i = 0; i < K; i++) acc[i] = bf16_round(acc[i]);
     }
     float *q = qkvh[0], *k = qkvh[1], *v = qkvh[2];
     float qq = 0.0f, kk = 0.0f;
@@ -72,18 +107,30 @@ static void kda_token_head(const char *x, const char *zr, const char *gr, const 
         kq += k[i] * q[i];
     }
     const float beta = sigmoidf(load_value(br, h, in_bf16));
+    const float a_head = a_per_head ? expf(A_log[h]) : 0.0f;
     for (int64_t i = 0; i < K; i++) {
-        const float a = expf(A_log[a_per_head ? h : i]);
-        const float u = load_value(zr, h * K + i, in_bf16) + dt_bias[h * K + i];
-        g[i] = has_lb ? lower_bound * sigmoidf(a * u) : -a * softplusf(u);
+        const float a = a_per_head ? a_head : expf(A_log[i]);
+        const float zu = load_value(zr, h * K + i, in_bf16) + dt_bias[h * K + i];
+        if (has_lb)
+            u[i] = a * zu;
+        else
+            g[i] = -a * softplusf(zu);
     }
-    for (int64_t i = 0; i < K; i++) g[i] = expf(g[i]);
+    if (has_lb) {  /* g = lb * sigmoid(a u) */
+        sigmoid_row(u, NULL, g, K);
+        for (int64_t i = 0; i < K; i++) g[i] = lower_bound * g[i];
+    }
+    exp_row(g, g, K);
     delta_rule_step(S, q, k, v, g, beta, kq, r, o, K, K);
     float oo = 0.0f;
     for (int64_t j = 0; j < K; j++) oo += o[j] * o[j];
-    /* gated output norm */
+    /* gated output norm: o * on * o_norm_w * sigmoid(gate) */
     const float on = 1.0f / sqrtf(oo / (float)K + eps);
-    for (int64_t j = 0; j < K; j++) y[j] = o[j] * on * o_norm_w[j] * sigmoidf(load_value(gr, h * K + j, in_bf16));
+    for (int64_t j = 0; j < K; j++) {
+        u[j] = load_value(gr, h * K + j, in_bf16);
+        r[j] = o[j] * on * o_norm_w[j];
+    }
+    sigmoid_row(u, r, y, K);
 }
 
 void kda_layer_decode(const void *qkv, int64_t qkv_stride, const void *z, int64_t z_stride, const void *gate,
