@@ -355,6 +355,48 @@ def test_kda_layer_step_is_bitwise_batch_and_thread_invariant():
     assert torch.equal(layers[0].conv, layers[1].conv)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kda_layer_chain_equals_decode_steps_through_copied_blocks(dtype):
+    """Chains (a verified chain's positions in order, each in its own block after a copy of the
+    block before) and decodes in one call == one decode call per position with the copy done by
+    torch: outputs and every state block bitwise, at 1 and 2 threads."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [1, 3, 1, 2, 2]  # two decodes and three chains, as rows of one flat token run
+    inputs = step_inputs(gen, sum(lens), dtype)
+    blocks = torch.randperm(N, generator=gen).tolist()
+    plan, at = [], 0
+    for n in lens:
+        plan.append([(at + j, blocks.pop()) for j in range(n)])
+        at += n
+    rows, slots, src, groups = [], [], [], [0]
+    for group in plan:
+        for j, (row, slot) in enumerate(group):
+            rows.append(row)
+            slots.append(slot)
+            src.append(group[j - 1][1] if j else -1)
+        groups.append(len(rows))
+    index = (torch.tensor(rows), torch.tensor(slots, dtype=torch.int32), torch.tensor(src, dtype=torch.int32),
+             torch.tensor(groups))
+    want = Layer(torch.Generator().manual_seed(12), -5.0, dtype)
+    expected = torch.empty(sum(lens), P)
+    for j in range(max(lens)):
+        for group in plan:
+            if j < len(group):
+                row, slot = group[j]
+                if j:
+                    want.conv[slot], want.rec[slot] = want.conv[group[j - 1][1]], want.rec[group[j - 1][1]]
+                expected[row] = want.kernel([x[row : row + 1] for x in inputs], [slot])[0]
+    for n in (1, 2):
+        got = Layer(torch.Generator().manual_seed(12), -5.0, dtype)
+        with threads(n):
+            out = fused_decode.kda_layer_chain(*inputs, got.conv, got.rec, *index, got.conv_w.float(),
+                                               got.A_log.float(), got.dt_bias.float(), got.bound, got.o_norm.float(),
+                                               got.eps)
+        assert out is not None
+        assert torch.equal(out, expected)
+        assert torch.equal(got.rec, want.rec) and torch.equal(got.conv, want.conv)
+
+
 # ---- the whole KDA layer in one call ---------------------------------------------------------------
 
 

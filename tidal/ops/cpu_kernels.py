@@ -433,6 +433,15 @@ def kda_layer_step_kernels() -> tuple[Callable, Callable] | None:
 
 
 @cache
+def kda_layer_chain_kernel() -> Callable | None:
+    """csrc/kda_layer_decode.c's ``kda_layer_chain`` (verified chains with the decode step's code), or None."""
+    return _function("kda_layer_decode", "kda_layer_chain",
+                     [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, ctypes.c_int, _PTR, _I64, ctypes.c_int, _PTR,
+                      _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, ctypes.c_int, _PTR, ctypes.c_float, ctypes.c_int,
+                      _PTR, ctypes.c_float, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int])
+
+
+@cache
 def moe_router_kernel() -> Callable | None:
     """csrc/moe_router.c's ``moe_router_topk`` (scores, bias-corrected grouped top-k, weights), or None."""
     fn = _function("moe_router", "moe_router_topk",

@@ -23,6 +23,7 @@ from tidal.ops.cpu_kernels import (
     activation_kernel,
     attn_res_kernels,
     fused_decode_enabled,
+    kda_layer_chain_kernel,
     KdaLayerWeights,
     kda_layer_decode_kernel,
     kda_layer_step_kernels,
@@ -187,6 +188,18 @@ def attn_res(partial: torch.Tensor, blocks: list[torch.Tensor], block_cache: lis
     return out
 
 
+def _kda_rows_ok(qkv: torch.Tensor, z: torch.Tensor, gate: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor,
+                 rec_state: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor) -> bool:
+    """Whether csrc/kda_layer_decode.c's recurrent part takes these rows, states and weights (see
+    :func:`kda_layer_decode`)."""
+    H, K, W = rec_state.shape[1], rec_state.shape[2], conv_weight.shape[1]
+    return (_applies(qkv, z, gate, b, conv_state) and _kda_states_ok(conv_state, rec_state, W)
+            and all(t.dtype == qkv.dtype and _rows_ok(t) for t in (qkv, z, gate, b))
+            and (qkv.shape[1], z.shape[1], gate.shape[1], b.shape[1]) == (3 * H * K, H * K, H * K, H)
+            and A_log.shape in ((H, 1), (1, K)) and conv_weight.is_contiguous()
+            and conv_weight.dtype == torch.float32)
+
+
 def kda_layer_decode(
     qkv: torch.Tensor, z: torch.Tensor, gate: torch.Tensor, b: torch.Tensor,
     conv_state: torch.Tensor, rec_state: torch.Tensor, slots: torch.Tensor,
@@ -199,13 +212,8 @@ def kda_layer_decode(
     to the gated, normed o [T, P] float32 that o_proj reads. conv_state [N, W-1, 3P] and rec_state
     [N, H, K, K] (float32) are updated in place; conv_weight [3P, W] float32, contiguous."""
     T = qkv.shape[0]
-    N, H, K, V = rec_state.shape
-    W = conv_weight.shape[1]
-    if (not _applies(qkv, z, gate, b, conv_state) or not _kda_states_ok(conv_state, rec_state, W)
-            or any(t.dtype != qkv.dtype or not _rows_ok(t) for t in (qkv, z, gate, b))
-            or (qkv.shape[1], z.shape[1], gate.shape[1], b.shape[1]) != (3 * H * K, H * K, H * K, H)
-            or slots.shape != (T,) or A_log.shape not in ((H, 1), (1, K))
-            or not conv_weight.is_contiguous() or conv_weight.dtype != torch.float32):
+    H, K, W = rec_state.shape[1], rec_state.shape[2], conv_weight.shape[1]
+    if slots.shape != (T,) or not _kda_rows_ok(qkv, z, gate, b, conv_state, rec_state, conv_weight, A_log):
         return None
     fn = kda_layer_decode_kernel()
     if fn is None:
@@ -309,4 +317,38 @@ def kda_layer_step(plan: KdaStepPlan, x: torch.Tensor, conv_state: torch.Tensor,
                   int(conv_state.dtype == torch.bfloat16), _ptr(rec_state), rec_state.stride(0), _ptr(slots), _ptr(out),
                   _ptr(plan.scratch), torch.get_num_threads()) != 0:
         raise ValueError("kda_layer_step: the layer's projection sizes do not fit its heads")
+    return out
+
+
+def kda_layer_chain(
+    qkv: torch.Tensor, z: torch.Tensor, gate: torch.Tensor, b: torch.Tensor,
+    conv_state: torch.Tensor, rec_state: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+    src: torch.Tensor, groups: torch.Tensor,
+    conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+    o_norm_weight: torch.Tensor, eps: float,
+) -> torch.Tensor | None:
+    """:func:`kda_layer_decode` over groups of rows run in order (a verified chain's positions, each
+    in the state block of the one before; a decode is a group of one): call row t is row
+    ``rows[t]`` of qkv/z/gate/b and of the result, in slot ``slots[t]``, its state first copied from
+    slot ``src[t]`` where that is >= 0; ``groups`` [G + 1] int64 are the groups' first call rows
+    and the total. Returns o [qkv rows, P] float32 (the rows not named are left unwritten), or None
+    where the kernel does not apply."""
+    T = rows.shape[0]
+    H, K, W = rec_state.shape[1], rec_state.shape[2], conv_weight.shape[1]
+    if (slots.shape != (T,) or src.shape != (T,) or groups.dim() != 1
+            or not _kda_rows_ok(qkv, z, gate, b, conv_state, rec_state, conv_weight, A_log)):
+        return None
+    fn = kda_layer_chain_kernel()
+    if fn is None:
+        return None
+    rows, groups = rows.to(torch.int64).contiguous(), groups.to(torch.int64).contiguous()
+    slots, src = slots.to(torch.int32).contiguous(), src.to(torch.int32).contiguous()
+    A_log, dt_bias, o_norm_weight = _float32(A_log), _float32(dt_bias), _float32(o_norm_weight)
+    out = torch.empty(qkv.shape[0], H * K, dtype=torch.float32)
+    fn(_ptr(qkv), qkv.stride(0), _ptr(z), z.stride(0), _ptr(gate), gate.stride(0), _ptr(b), b.stride(0),
+       int(qkv.dtype == torch.bfloat16), _ptr(conv_state), conv_state.stride(0),
+       int(conv_state.dtype == torch.bfloat16), _ptr(rec_state), rec_state.stride(0), _ptr(rows), _ptr(slots),
+       _ptr(src), _ptr(groups), groups.shape[0] - 1, _ptr(conv_weight), _ptr(A_log), int(A_log.shape == (H, 1)),
+       _ptr(dt_bias), 0.0 if lower_bound is None else lower_bound, int(lower_bound is not None), _ptr(o_norm_weight),
+       eps, _ptr(out), out.stride(0), H, K, W, torch.get_num_threads())
     return out

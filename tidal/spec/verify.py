@@ -38,7 +38,7 @@ class VerifyLayout:
     method: str
     slots: dict[int, list[int]] = field(default_factory=dict)
     window: "ReplayWindow | None" = None
-    _work: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    _work: dict[tuple[str, object], object] = field(default_factory=dict, repr=False)
     _index: dict[tuple[int, str], "PositionIndex"] = field(default_factory=dict, repr=False)
 
     def positions(self, batch, j: int, device: torch.device) -> "PositionIndex":
@@ -60,6 +60,29 @@ class VerifyLayout:
                 start=index([batch.cache.state_slots[b] for b in self.seqs]),
             )
         return self._index[key]
+
+    def chain_groups(self, batch, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(rows, slots, src, groups) of :func:`tidal.ops.fused_decode.kda_layer_chain` for the
+        step's decodes (a group each) and chains ("swap": position j in ``slots[b][j]``, copied
+        from position j-1's block), built once per step."""
+        key = ("chain groups", str(device))
+        if key not in self._work:
+            rows, slots, src, groups = [], [], [], [0]
+            for b in batch.decode_seqs:
+                rows.append(batch.cu_seqlens[b])
+                slots.append(batch.cache.state_slots[b])
+                src.append(-1)
+                groups.append(len(rows))
+            for b in self.seqs:
+                blocks = self.slots[b]
+                for j in range(batch.query_lens[b]):
+                    rows.append(batch.cu_seqlens[b] + j)
+                    slots.append(blocks[j])
+                    src.append(blocks[j - 1] if j else -1)
+                groups.append(len(rows))
+            self._work[key] = tuple(torch.tensor(x, dtype=dt, device=device) for x, dt in
+                                    ((rows, torch.int64), (slots, torch.int32), (src, torch.int32), (groups, torch.int64)))
+        return self._work[key]  # type: ignore[return-value]
 
 
 @dataclass
@@ -97,32 +120,15 @@ def _step(batch, storage: torch.Tensor, kind: str, layer: int, j: int, pos: Posi
 
 def verify_kda_fused(qkv: torch.Tensor, z: torch.Tensor, gate: torch.Tensor, b: torch.Tensor,
                      conv_state: torch.Tensor, rec_state: torch.Tensor, batch, **kernel_args) -> torch.Tensor | None:
-    """A decode-and-chains step of a KDA layer ("swap" rollback, no prefill) with the fused decode
-    kernel (``tidal.ops.fused_decode.kda_layer_decode``, the one a pure decode step runs): the
-    step's decodes and every chain's position 0 in one call on their own slots, then position j
-    of every chain on its block after a copy of the block of position j-1. Returns the gated o
-    [T, P] of every row, or None (nothing changed) where the kernel does not apply."""
-    v: VerifyLayout = batch.verify
-    dev = qkv.device
-    first = v.positions(batch, 0, dev)
-    rows = torch.cat([batch.decode_tokens(dev), first.rows])
-    slots = torch.cat([batch.decode_slots(dev).to(torch.long), first.dst])
-
-    def run(rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
-        return fused_decode.kda_layer_decode(qkv[rows], z[rows], gate[rows], b[rows], conv_state, rec_state, slots,
-                                             **kernel_args)
-
-    o = run(rows, slots)
-    if o is None:
-        return None
-    out = torch.empty(qkv.shape[0], o.shape[1], dtype=o.dtype, device=dev)
-    out[rows] = o
-    for j in range(1, max(batch.query_lens[s] for s in v.seqs)):
-        pos = v.positions(batch, j, dev)
-        conv_state.index_copy_(0, pos.dst, conv_state.index_select(0, pos.src))
-        rec_state.index_copy_(0, pos.dst, rec_state.index_select(0, pos.src))
-        out[pos.rows] = run(pos.rows, pos.dst)
-    return out
+    """A decode-and-chains step of a KDA layer ("swap" rollback, no prefill) in one call of the
+    fused decode kernel's chain form (``tidal.ops.fused_decode.kda_layer_chain``, the per-row code
+    a pure decode step runs): each decode on its own slot, each chain's positions in order,
+    position 0 on its block in place and position j on its block after a copy of the block of
+    position j-1. Returns the gated o [T, P] of every row, or None (nothing changed) where the
+    kernel does not apply."""
+    rows, slots, src, groups = batch.verify.chain_groups(batch, qkv.device)
+    return fused_decode.kda_layer_chain(qkv, z, gate, b, conv_state, rec_state, rows, slots, src, groups,
+                                        **kernel_args)
 
 
 def verify_conv(qkv: torch.Tensor, weight: torch.Tensor, storage: torch.Tensor, batch, layer: int,

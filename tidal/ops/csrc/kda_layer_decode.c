@@ -16,9 +16,17 @@
  *
  * Each (token, head) pair is computed by one thread in a fixed order: a row's result is bitwise
  * independent of the batch and the thread count. Tokens must use distinct slots.
+ *
+ * kda_layer_chain runs verified chains (tidal.spec.verify, "swap" rollback) with the same per-token
+ * code: call row t reads and writes row rows[t] of the inputs and of out (row stride out_stride),
+ * in slot slots[t], after copying its head's conv and recurrent state from slot src[t] where
+ * src[t] >= 0. Rows group_start[g] .. group_start[g+1]-1 are one group (a decode: one row; a
+ * chain: its positions in order, each in the block of the one before), computed in order by one
+ * thread per (group, head): every position's bits are those of the decode step it stands for.
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16_parts.h"
 #include "bf16_scalar.h"
@@ -148,6 +156,39 @@ void kda_layer_decode(const void *qkv, int64_t qkv_stride, const void *z, int64_
                            in_bf16, (char *)conv_state + slots[t] * conv_stride * ces, conv_bf16,
                            rec_state + slots[t] * rec_stride + h * K * K, conv_w, A_log, a_per_head, dt_bias,
                            lower_bound, has_lb, o_norm_w, eps, out + t * P + h * K, h, H, K, W);
+        }
+    }
+}
+
+void kda_layer_chain(const void *qkv, int64_t qkv_stride, const void *z, int64_t z_stride, const void *gate,
+                     int64_t gate_stride, const void *b, int64_t b_stride, int in_bf16, void *conv_state,
+                     int64_t conv_stride, int conv_bf16, float *rec_state, int64_t rec_stride, const int64_t *rows,
+                     const int32_t *slots, const int32_t *src, const int64_t *group_start, int64_t G,
+                     const float *conv_w, const float *A_log, int a_per_head, const float *dt_bias, float lower_bound,
+                     int has_lb, const float *o_norm_w, float eps, float *out, int64_t out_stride, int64_t H,
+                     int64_t K, int64_t W, int num_threads) {
+    const int64_t P = H * K, C = 3 * P, ies = in_bf16 ? 2 : 4, ces = conv_bf16 ? 2 : 4;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t grp = 0; grp < G; grp++) {
+        for (int64_t h = 0; h < H; h++) {
+            for (int64_t t = group_start[grp]; t < group_start[grp + 1]; t++) {
+                const int64_t row = rows[t];
+                char *cs = (char *)conv_state + slots[t] * conv_stride * ces;
+                float *S = rec_state + slots[t] * rec_stride + h * K * K;
+                if (src[t] >= 0 && src[t] != slots[t]) { /* this head's state after the position before */
+                    const char *cs0 = (const char *)conv_state + src[t] * conv_stride * ces;
+                    for (int64_t j = 0; j < W - 1; j++)
+                        for (int part = 0; part < 3; part++) {
+                            const int64_t at = (j * C + part * P + h * K) * ces;
+                            memcpy(cs + at, cs0 + at, (size_t)(K * ces));
+                        }
+                    memcpy(S, rec_state + src[t] * rec_stride + h * K * K, (size_t)(K * K) * sizeof(float));
+                }
+                kda_token_head((const char *)qkv + row * qkv_stride * ies, (const char *)z + row * z_stride * ies,
+                               (const char *)gate + row * gate_stride * ies, (const char *)b + row * b_stride * ies,
+                               in_bf16, in_bf16, cs, conv_bf16, S, conv_w, A_log, a_per_head, dt_bias, lower_bound,
+                               has_lb, o_norm_w, eps, out + row * out_stride + h * K, h, H, K, W);
+            }
         }
     }
 }
