@@ -17,7 +17,7 @@ from tidal.model.attn_res import attn_res
 from tidal.model.context import SimpleCache, simple_batch
 from tidal.model.kda import KimiDeltaAttention
 from tidal.model.layers import rms_norm
-from tidal.model.moe import Experts, PackedExperts, Router
+from tidal.model.moe import Experts, KimiMLP, PackedExperts, Router
 from tidal.ops import cpu_kernels, dense, fused_decode
 from tidal.ops.activation import situ, swiglu
 from tidal.ops.kda import kda_gate, kda_recurrent, l2_normalize
@@ -507,6 +507,65 @@ def test_kda_step_plan_follows_replaced_weights_and_declines_what_it_does_not_ta
     assert bf16_kda_layer(config, seed=25).float()._step_plan() is None
 
 
+# ---- the gated MLP in one call -------------------------------------------------------------------
+
+
+def bf16_mlp(act: str, d: int, inter: int, seed: int) -> KimiMLP:
+    config = replace(tiny_k3(), hidden_act=act)
+    torch.manual_seed(seed)
+    mlp = KimiMLP(config, d, inter)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.data = (p.data.normal_(0.0, 2.0 * p.shape[-1] ** -0.5)).bfloat16()
+    return mlp
+
+
+@pytest.mark.parametrize("act", ["situ", "swiglu"])
+def test_mlp_step_matches_float64_and_has_the_bits_of_the_separate_calls(monkeypatch, act):
+    """A bfloat16 gated MLP on 1, 5 and FUSED_MAX_ROWS rows in one call: within the bfloat16 roundings
+    of its intermediates of the float64 MLP, the bits of the separate calls it replaces, a row alone ==
+    in the batch and 1 == 2 threads, bitwise; more rows run the separate calls."""
+    d, inter = 72, 200  # an activation width that is no multiple of 8: the tail columns' scalar form too
+    mlp = bf16_mlp(act, d, inter, seed=31)
+    betas = (mlp.config.situ_beta, mlp.config.situ_linear_beta) if act == "situ" else None
+    calls = []
+    real = fused_decode.mlp_step
+    monkeypatch.setattr(fused_decode, "mlp_step", lambda *a: calls.append(real(*a) is not None) or real(*a))
+    gen = torch.Generator().manual_seed(32)
+    for T in (1, 5, fused_decode.FUSED_MAX_ROWS):
+        x = torch.randn(T, d + 3, generator=gen).bfloat16()[:, 2 : 2 + d]  # rows at a stride
+        with torch.inference_mode():
+            with threads(2):
+                got = mlp(x)
+                alone = torch.cat([mlp(x[t : t + 1]) for t in range(T)])
+            with threads(1):
+                single = mlp(x)
+            with monkeypatch.context() as m:
+                m.setattr(fused_decode, "mlp_step", lambda *a: None)
+                separate = mlp(x)
+        assert calls[-1] and got.dtype == torch.bfloat16
+        assert torch.equal(got, separate) and torch.equal(got, alone) and torch.equal(got, single)
+        g, u = x.double() @ mlp.gate_proj.weight.double().t(), x.double() @ mlp.up_proj.weight.double().t()
+        ref = reference_activation(g, u, betas) @ mlp.down_proj.weight.double().t()
+        assert (got.double() - ref).abs().max() / ref.abs().max() < 0.03
+    calls.clear()
+    with torch.inference_mode():
+        mlp(torch.randn(fused_decode.FUSED_MAX_ROWS + 1, d).bfloat16())
+    assert calls == [False]
+
+
+def test_mlp_step_plan_follows_replaced_weights_and_declines_float32():
+    mlp = bf16_mlp("situ", 64, 96, seed=33)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(34)).bfloat16()
+    with torch.inference_mode():
+        first = mlp(x)
+        plan = mlp._step_plan()
+        mlp.down_proj.weight.data = (-mlp.down_proj.weight.data).clone()  # new storage
+        assert mlp._step_plan() is not plan
+        assert torch.equal(mlp(x), -first)
+    assert bf16_mlp("situ", 64, 96, seed=33).float()._step_plan() is None
+
+
 def test_off_switch_and_unsupported_inputs_fall_back(monkeypatch):
     x = torch.randn(3, 16)
     monkeypatch.setenv("TIDAL_FUSED_DECODE", "0")
@@ -524,7 +583,7 @@ def test_kernels_off_when_cpu_kernels_disabled(monkeypatch):
         monkeypatch.setenv("TIDAL_CPU_KERNELS", "0")
         for fn in (cpu_kernels._library, cpu_kernels.rms_norm_kernel, cpu_kernels.attn_res_kernels,
                    cpu_kernels.kda_layer_decode_kernel, cpu_kernels.kda_layer_step_kernels,
-                   cpu_kernels.moe_router_kernel):
+                   cpu_kernels.mlp_step_kernels, cpu_kernels.moe_router_kernel):
             fn.cache_clear()
         x = torch.randn(3, 16)
         assert fused_decode.rms_norm(x, None, 1e-6) is None
@@ -544,7 +603,7 @@ def test_kernels_off_when_cpu_kernels_disabled(monkeypatch):
         monkeypatch.delenv("TIDAL_CPU_KERNELS")
         for fn in (cpu_kernels._library, cpu_kernels.rms_norm_kernel, cpu_kernels.attn_res_kernels,
                    cpu_kernels.kda_layer_decode_kernel, cpu_kernels.kda_layer_step_kernels,
-                   cpu_kernels.moe_router_kernel):
+                   cpu_kernels.mlp_step_kernels, cpu_kernels.moe_router_kernel):
             fn.cache_clear()
 
 
@@ -685,12 +744,13 @@ def test_engine_greedy_tokens_equal_with_and_without_the_fused_kernels(monkeypat
     assert greedy(False) == want
 
 
-@pytest.mark.parametrize("kernel", ["mla_absorbed_for", "router", "kda_layer_step"])
+@pytest.mark.parametrize("kernel", ["mla_absorbed_for", "router", "kda_layer_step", "mlp_step"])
 def test_engine_bf16_greedy_tokens_equal_with_and_without_a_kernel(monkeypatch, kernel):
     """bfloat16 embedded model: the same greedy tokens, batched and alone, whether MLA decode reads
     kv_b_proj's bf16 weight in place (csrc/mla_decode.c) or through the float32 copy of the torch
     path, and whether the router runs in one C call (csrc/moe_router.c) or as the torch ops of
-    tidal/model/moe.py, and whether a KDA layer's decode step is one C call or the separate ones."""
+    tidal/model/moe.py, and whether a KDA layer's decode step and a gated MLP are one C call each or
+    the separate ones."""
     from tidal.ops import mla as mla_ops
 
     owner = mla_ops if kernel == "mla_absorbed_for" else fused_decode

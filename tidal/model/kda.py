@@ -127,7 +127,7 @@ class KimiDeltaAttention(nn.Module):
         o = rms_norm(o, self.o_norm.weight, self.config.rms_norm_eps) * torch.sigmoid(gate.view(T, H, K).to(o.dtype))
         return self.o_proj(o.flatten(1).to(x.dtype))
 
-    def _step_plan(self) -> fused_decode.KdaStepPlan | None:
+    def _step_plan(self) -> fused_decode.StepPlan | None:
         """The layer's weights as the one-call decode step takes them (kept while none changes),
         or None where it does not take them (float32 or fused projections, another device)."""
         gate = self.g_proj if self.config.kda_full_rank_gate else self.g_a_proj

@@ -88,11 +88,22 @@ class KimiMLP(nn.Module):
         if self.gate_up is None:
             self._gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
+    def _step_plan(self) -> fused_decode.StepPlan | None:
+        """The weights as the one-call step takes them (kept while none changes), or None."""
+        c, ws = self.config, (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        betas = (c.situ_beta, c.situ_linear_beta) if c.hidden_act == "situ" else None
+        return derived_weight(self, "_step_plan_cached", ws, lambda: fused_decode.mlp_step_plan(*ws, betas))
+
     @property
     def gate_up(self) -> torch.Tensor | None:
         return self._gate_up.tensor if self._gate_up is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and keeps_apart(self.gate_proj.weight):  # a few bfloat16 rows: one kernel call
+            plan = self._step_plan()
+            out = fused_decode.mlp_step(plan, x) if plan is not None else None
+            if out is not None:
+                return out
         gate_up = self._gate_up.for_forward() if self._gate_up is not None else None
         if gate_up is not None:
             gu = project(x, gate_up)

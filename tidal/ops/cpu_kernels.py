@@ -432,6 +432,29 @@ def kda_layer_step_kernels() -> tuple[Callable, Callable] | None:
     return step, scratch
 
 
+class MlpWeights(ctypes.Structure):
+    """csrc/mlp_decode.c's ``struct mlp_weights``: a bfloat16 gated MLP's gate, up and down weights by
+    address, its sizes and its activation (kind 1 SiTU with its betas, 0 SwiGLU)."""
+
+    _fields_ = [
+        ("hidden", _I64), ("inter", _I64), ("gate_up", _PTR * 2), ("gate_up_stride", _I64 * 2),
+        ("gate_up_rows", _I64 * 2), ("down", _PTR), ("down_stride", _I64), ("kind", _I64),
+        ("beta", ctypes.c_float), ("linear_beta", ctypes.c_float),
+    ]
+
+
+@cache
+def mlp_step_kernels() -> tuple[Callable, Callable] | None:
+    """(csrc/mlp_decode.c's ``mlp_step``, ``mlp_step_scratch``), or None."""
+    step = _function("mlp_decode", "mlp_step",
+                     [ctypes.POINTER(MlpWeights), _PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int])
+    scratch = _function("mlp_decode", "mlp_step_scratch", [ctypes.POINTER(MlpWeights)])
+    if step is None or scratch is None:
+        return None
+    step.restype, scratch.restype = ctypes.c_int, _I64
+    return step, scratch
+
+
 @cache
 def kda_layer_chain_kernel() -> Callable | None:
     """csrc/kda_layer_decode.c's ``kda_layer_chain`` (verified chains with the decode step's code), or None."""

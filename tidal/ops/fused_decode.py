@@ -25,8 +25,10 @@ from tidal.ops.cpu_kernels import (
     fused_decode_enabled,
     kda_layer_chain_kernel,
     KdaLayerWeights,
+    MlpWeights,
     kda_layer_decode_kernel,
     kda_layer_step_kernels,
+    mlp_step_kernels,
     moe_router_kernel,
     mxfp4_moe_kernel,
     rms_norm_kernel,
@@ -240,22 +242,28 @@ def _kda_states_ok(conv_state: torch.Tensor, rec_state: torch.Tensor, W: int) ->
 
 
 @dataclass
-class KdaStepPlan:
-    """One bfloat16 KDA layer as :func:`kda_layer_step` hands it to C: the weights' addresses (in
-    ``weights``; ``tensors`` keeps what they point into alive), the scratch floats per token, and a
-    scratch buffer kept from step to step (one engine thread runs a layer at a time)."""
+class StepPlan:
+    """One bfloat16 layer as a one-call step (:func:`kda_layer_step`, :func:`mlp_step`) hands it to
+    C: the weights' addresses (in ``weights``; ``tensors`` keeps what they point into alive), the
+    scratch floats per token, and a scratch buffer kept from step to step (one engine thread runs a
+    layer at a time)."""
 
-    weights: KdaLayerWeights
+    weights: ctypes.Structure
     tensors: tuple[torch.Tensor, ...] = field(repr=False)
     scratch_per_token: int
     scratch: torch.Tensor = field(repr=False)
+
+    def scratch_for(self, rows: int) -> torch.Tensor:
+        if self.scratch.numel() < rows * self.scratch_per_token:
+            self.scratch = torch.empty(rows * self.scratch_per_token, dtype=torch.float32)
+        return self.scratch
 
 
 def kda_step_plan(
     in_ws: list[torch.Tensor], f_b: torch.Tensor, g_b: torch.Tensor | None, o_w: torch.Tensor,
     conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
     o_norm_weight: torch.Tensor, eps: float,
-) -> KdaStepPlan | None:
+) -> StepPlan | None:
     """The plan of a KDA layer whose projections are bfloat16 CPU weights with contiguous rows
     (in_ws: q, k, v, f_a, the output gate's first matrix, b; g_b None for a full-rank gate), or None
     where :func:`kda_layer_step` does not take it (the layer then runs its separate calls). Build it
@@ -288,11 +296,11 @@ def kda_step_plan(
         o_norm_w=o_norm_weight.data_ptr(), a_per_head=int(A_log.shape == (H, 1)), has_lb=int(lower_bound is not None),
         lower_bound=0.0 if lower_bound is None else lower_bound, eps=eps)
     per_token = kernels[1](ctypes.byref(weights))
-    return KdaStepPlan(weights, (*mats, conv_weight, A_log, dt_bias, o_norm_weight), per_token,
+    return StepPlan(weights, (*mats, conv_weight, A_log, dt_bias, o_norm_weight), per_token,
                        torch.empty(per_token, dtype=torch.float32))
 
 
-def kda_layer_step(plan: KdaStepPlan, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
+def kda_layer_step(plan: StepPlan, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
                    slots: torch.Tensor) -> torch.Tensor | None:
     """:meth:`tidal.model.kda.KimiDeltaAttention.forward` of a bfloat16 layer for one token per
     sequence, in one C call (x [T, hidden] bfloat16 -> [T, hidden] bfloat16; token t in state slot
@@ -301,21 +309,20 @@ def kda_layer_step(plan: KdaStepPlan, x: torch.Tensor, conv_state: torch.Tensor,
     apply (see :func:`kda_layer_decode`)."""
     w = plan.weights
     T = x.shape[0]
-    if (not _applies(x, conv_state) or x.dtype != torch.bfloat16 or not _rows_ok(x) or x.shape[1] != w.hidden
+    if (not _applies(x, conv_state, *plan.tensors) or x.dtype != torch.bfloat16 or not _rows_ok(x) or x.shape[1] != w.hidden
             or slots.shape != (T,) or rec_state.shape[1:3] != (w.heads, w.head_dim)
             or conv_state.shape[2] != 3 * w.heads * w.head_dim or not _kda_states_ok(conv_state, rec_state, w.conv_kernel)):
         return None
     kernels = kda_layer_step_kernels()
     if kernels is None:
         return None
-    if plan.scratch.numel() < T * plan.scratch_per_token:
-        plan.scratch = torch.empty(T * plan.scratch_per_token, dtype=torch.float32)
+    scratch = plan.scratch_for(T)
     if slots.dtype != torch.int32 or not slots.is_contiguous():
         slots = slots.to(torch.int32).contiguous()
     out = torch.empty(T, w.hidden, dtype=torch.bfloat16)
     if kernels[0](ctypes.byref(w), _ptr(x), x.stride(0), T, _ptr(conv_state), conv_state.stride(0),
                   int(conv_state.dtype == torch.bfloat16), _ptr(rec_state), rec_state.stride(0), _ptr(slots), _ptr(out),
-                  _ptr(plan.scratch), torch.get_num_threads()) != 0:
+                  _ptr(scratch), torch.get_num_threads()) != 0:
         raise ValueError("kda_layer_step: the layer's projection sizes do not fit its heads")
     return out
 
@@ -351,4 +358,48 @@ def kda_layer_chain(
        _ptr(src), _ptr(groups), groups.shape[0] - 1, _ptr(conv_weight), _ptr(A_log), int(A_log.shape == (H, 1)),
        _ptr(dt_bias), 0.0 if lower_bound is None else lower_bound, int(lower_bound is not None), _ptr(o_norm_weight),
        eps, _ptr(out), out.stride(0), H, K, W, torch.get_num_threads())
+    return out
+
+
+def _bf16_rows_weight(w: torch.Tensor) -> bool:
+    return w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2 and w.stride(1) == 1
+
+
+def mlp_step_plan(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                  situ_betas: tuple[float, float] | None) -> StepPlan | None:
+    """The plan of a gated MLP with bfloat16 CPU weights of contiguous rows (gate, up [I, d], down
+    [d, I]; ``situ_betas`` as :func:`gated_activation`'s), or None where :func:`mlp_step` does not
+    take it. Build it once while the weights do not change (``tidal.model.layers.derived_weight``)."""
+    kernels = mlp_step_kernels()
+    (inter, d) = gate.shape
+    if (kernels is None or not all(_bf16_rows_weight(w) for w in (gate, up, down)) or up.shape != (inter, d)
+            or down.shape != (d, inter)):
+        return None
+    beta, linear_beta = situ_betas if situ_betas is not None else (1.0, 1.0)
+    weights = MlpWeights(
+        hidden=d, inter=inter, gate_up=(ctypes.c_void_p * 2)(gate.data_ptr(), up.data_ptr()),
+        gate_up_stride=(ctypes.c_int64 * 2)(gate.stride(0), up.stride(0)), gate_up_rows=(ctypes.c_int64 * 2)(inter, inter),
+        down=down.data_ptr(), down_stride=down.stride(0), kind=int(situ_betas is not None), beta=beta,
+        linear_beta=linear_beta)
+    per_row = kernels[1](ctypes.byref(weights))
+    return StepPlan(weights, (gate, up, down), per_row, torch.empty(per_row, dtype=torch.float32))
+
+
+def mlp_step(plan: StepPlan, x: torch.Tensor) -> torch.Tensor | None:
+    """:meth:`tidal.model.moe.KimiMLP.forward` of bfloat16 rows x [T, d] -> [T, d] bfloat16 in one C
+    call, with the bits of the separate calls it replaces (the gate|up parts product,
+    :func:`gated_activation`, the down product); None where it does not apply: more rows than the
+    activation kernel takes, rows that are not bfloat16, batch invariance, the kernels off."""
+    w = plan.weights
+    if (not _applies(x, *plan.tensors) or x.dtype != torch.bfloat16 or not _rows_ok(x) or x.shape[1] != w.hidden
+            or x.shape[0] > FUSED_MAX_ROWS or batch_invariant.enabled()):
+        return None
+    kernels = mlp_step_kernels()
+    if kernels is None:
+        return None
+    T = x.shape[0]
+    scratch = plan.scratch_for(T)
+    out = torch.empty(T, w.hidden, dtype=torch.bfloat16)
+    if kernels[0](ctypes.byref(w), _ptr(x), x.stride(0), T, _ptr(out), _ptr(scratch), torch.get_num_threads()) != 0:
+        raise ValueError("mlp_step: gate and up weights of different sizes")
     return out
