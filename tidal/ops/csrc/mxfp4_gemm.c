@@ -34,6 +34,7 @@
 #endif
 #define TILE_W float
 #define TILE_VALUE(v) (v)
+#define TILE_COLS_4 2 /* see row_tiles.h */
 #include "row_tiles.h"
 
 #include "bf16_scalar.h"

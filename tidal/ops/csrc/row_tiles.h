@@ -8,8 +8,11 @@
  * count, so a row's result is bitwise independent of the batch. The portable build runs the same
  * order in plain C (without fused multiply-add: equal within rounding, not bitwise).
  *
- * Tile shapes: 4 x 3 where there are 4 rows, else as many weight rows as the registers hold
- * (1 x 8, 2 x 6, 3 x 4), so a decode step streams several weight rows at once.
+ * Tile shapes: 1 x 8, 2 x 6, 3 x 4 (as many weight rows as the registers hold beside the rows'
+ * accumulators), so a decode step streams several weight rows at once; 4 x TILE_COLS_4 where there
+ * are 4 rows, 3 unless the including file says otherwise. (mxfp4_gemm.c's float32 panels take 2: at
+ * 4 x 3 the compiler reloads both operands of every multiply-add from memory, measured 1.3-1.5x
+ * slower; bf16_gemm.c's widened weights are measured 3-10% faster at 4 x 3.)
  *
  * TILE_PREFETCH (weights streamed from memory, bf16_gemm.c): while a tile runs, the next C weight
  * rows (pf: C * K contiguous elements) are prefetched, one cache line per 64 bytes of them, spread
@@ -23,7 +26,10 @@
 #define MAX_R 4
 #define TILE_PREFETCH_MAX_ROW_BYTES 2048
 #define MAX_C 8
-static const int COLS_FOR_ROWS[MAX_R + 1] = {0, 8, 6, 4, 3};
+#ifndef TILE_COLS_4
+#define TILE_COLS_4 3
+#endif
+static const int COLS_FOR_ROWS[MAX_R + 1] = {0, 8, 6, 4, TILE_COLS_4};
 
 /* the tail k in [K8, K) of one output, in order */
 static inline float tile_tail(float s, const float *x, const TILE_W *w, int64_t K8, int64_t K) {
