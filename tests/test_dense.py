@@ -138,6 +138,22 @@ def test_parts_product_has_the_concatenated_weights_bits(kernel, rows):
     assert torch.equal(dense.linear_parts(x, many), dense.linear(x, torch.cat(many)))
 
 
+def test_prepared_parts_give_the_bits_of_the_list(kernel):
+    """weight_parts(ws), built once, in place of the list: the same bits, rows of either dtype;
+    weights the kernel does not take have no prepared form."""
+    gen = torch.Generator().manual_seed(7)
+    ws = [torch.randn(n, 96, generator=gen).bfloat16() for n in (40, 9, 33)]
+    prepared = dense.weight_parts(ws)
+    assert prepared is not None and prepared.total == 82
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, 96, generator=gen).to(dtype)
+        assert torch.equal(dense.linear_parts(x, prepared), dense.linear_parts(x, ws))
+        assert torch.equal(dense.linear_parts(x, prepared), dense.linear(x, torch.cat(ws)))
+    assert dense.weight_parts([w.float() for w in ws]) is None
+    assert dense.weight_parts(ws[:1]) is None
+    assert dense.weight_parts([ws[0], torch.randn(4, 95).bfloat16()]) is None
+
+
 def test_parts_product_declines_what_the_kernel_does_not_take(monkeypatch):
     calls = []
     monkeypatch.setattr(dense, "bf16_parts_kernel", lambda: calls.append(1) or None)

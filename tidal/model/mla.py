@@ -7,7 +7,7 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
-from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, fuse_linears, linear
+from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, derived_weight, fuse_linears, linear
 from tidal.ops import batch_invariant, dense
 from tidal.ops.backends import mla_paged_decode, mla_prefill_attention
 from tidal.ops.mla import mla_absorbed_attention, mla_naive_attention
@@ -60,12 +60,19 @@ class KimiMLA(nn.Module):
         if fused is not None:
             first, kv, *gate = dense.linear(x, fused).split(self.in_proj.sizes, dim=-1)
         else:
-            parts = [self.q_proj if self.config.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa]
-            parts += [self.g_proj] if self.config.mla_use_output_gate else []
-            ws = [m.weight for m in parts]
-            first, kv, *gate = dense.linear_parts(x, ws).split([w.shape[0] for w in ws], dim=-1)
+            ws, sizes = self._in_weights()
+            first, kv, *gate = dense.linear_parts(x, ws).split(sizes, dim=-1)
         q = first if self.config.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(first))
         return q, kv, (gate[0] if gate else None)
+
+    def _in_weights(self) -> tuple[list[torch.Tensor] | dense.WeightParts, list[int]]:
+        """The unfused input projections' weights (q or q_a, kv_a, the output gate) and their output
+        sizes, as the parts product takes them (kept while none changes)."""
+        parts = [self.q_proj if self.config.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa]
+        ws = [m.weight for m in parts + ([self.g_proj] if self.config.mla_use_output_gate else [])]
+        sizes = [w.shape[0] for w in ws]
+        return derived_weight(self, "_in_weights_cached", tuple(ws),
+                              lambda: (dense.weight_parts(ws) or ws, sizes))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; appends this step's latents to ``batch.cache``.

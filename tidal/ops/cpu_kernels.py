@@ -307,6 +307,20 @@ def bf16_gemm_kernel() -> Callable[..., torch.Tensor] | None:
     return gemm
 
 
+class WeightParts:
+    """Weights side by side as :func:`bf16_parts_kernel` takes them: the tensors and the arrays of
+    their addresses, row strides and row counts (built once where a module keeps it, e.g. through
+    ``tidal.model.layers.derived_weight``, instead of at every call)."""
+
+    def __init__(self, weights: tuple[torch.Tensor, ...]) -> None:
+        n = len(weights)
+        self.weights = weights
+        self.ptrs = (ctypes.c_void_p * n)(*(w.data_ptr() for w in weights))
+        self.strides = (ctypes.c_int64 * n)(*(w.stride(0) for w in weights))
+        self.rows = (ctypes.c_int64 * n)(*(w.shape[0] for w in weights))
+        self.total = sum(w.shape[0] for w in weights)
+
+
 @cache
 def bf16_parts_kernel() -> Callable[..., torch.Tensor] | None:
     """x times several bfloat16 weights side by side (csrc/bf16_gemm.c's ``bf16_gemm_parts``, or for
@@ -320,19 +334,17 @@ def bf16_parts_kernel() -> Callable[..., torch.Tensor] | None:
         return None
     f32.restype = b16.restype = ctypes.c_int
 
-    def gemm(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
-        parts = len(ws)
-        ptrs = (ctypes.c_void_p * parts)(*(w.data_ptr() for w in ws))
-        strides = (ctypes.c_int64 * parts)(*(w.stride(0) for w in ws))
-        ns = (ctypes.c_int64 * parts)(*(w.shape[0] for w in ws))
+    def gemm(x: torch.Tensor, ws: "list[torch.Tensor] | WeightParts") -> torch.Tensor:
+        arrays = ws if isinstance(ws, WeightParts) else WeightParts(tuple(ws))
+        parts, ptrs, strides, ns = len(arrays.weights), arrays.ptrs, arrays.strides, arrays.rows
         if x.dtype == torch.bfloat16:
             x = x if x.stride(1) == 1 else x.contiguous()
-            out = torch.empty(x.shape[0], sum(ns), dtype=torch.bfloat16)
+            out = torch.empty(x.shape[0], arrays.total, dtype=torch.bfloat16)
             status = b16(_ptr(x), x.stride(0), x.shape[0], x.shape[1], parts, ptrs, strides, ns, _ptr(out),
                          torch.get_num_threads())
         else:
             x = x.to(torch.float32).contiguous()
-            out = torch.empty(x.shape[0], sum(ns), dtype=torch.float32)
+            out = torch.empty(x.shape[0], arrays.total, dtype=torch.float32)
             status = f32(_ptr(x), x.shape[0], x.shape[1], parts, ptrs, strides, ns, _ptr(out), torch.get_num_threads())
         if status != 0:
             raise ValueError(f"bf16_gemm_parts: {parts} parts (at most 8) or no scratch memory for {x.shape[0]} rows")

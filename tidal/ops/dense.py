@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tidal.ops import batch_invariant
-from tidal.ops.cpu_kernels import bf16_gemm_kernel, bf16_parts_kernel, bf16_rows_kernel
+from tidal.ops.cpu_kernels import WeightParts, bf16_gemm_kernel, bf16_parts_kernel, bf16_rows_kernel
 
 
 # A float32 product of at most this many rows against a weight of at least this many elements
@@ -51,24 +51,36 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 MAX_PARTS = 8
 
 
-def linear_parts(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+def weight_parts(ws: list[torch.Tensor]) -> WeightParts | None:
+    """The weights as :func:`linear_parts` hands them to the C kernel, to keep per module while they
+    do not change; None for weights it would not hand over (each weight's product runs instead)."""
+    if (len(ws) < 2 or len(ws) > MAX_PARTS or any(w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2
+                                                  or w.stride(1) != 1 or w.shape[1] != ws[0].shape[1] for w in ws)):
+        return None
+    return WeightParts(tuple(ws))
+
+
+def linear_parts(x: torch.Tensor, ws: list[torch.Tensor] | WeightParts) -> torch.Tensor:
     """``linear(x, torch.cat(ws))`` -> [..., sum of the ws' rows] without concatenating the weights
     (they may stay in a checkpoint's mapping): bfloat16 CPU weights with contiguous rows go to the C
     kernel as one product, whose every output is the concatenation's sum bit for bit; otherwise
     each weight's :func:`linear`, concatenated (the same per-output sums wherever ``linear``'s are
-    independent of the other weight rows: the C kernel, batch invariance)."""
-    if len(ws) == 1:
-        return linear(x, ws[0])
+    independent of the other weight rows: the C kernel, batch invariance). ``ws`` may be the
+    :func:`weight_parts` of the weights, kept by the caller."""
+    prepared = ws if isinstance(ws, WeightParts) else None
+    weights = prepared.weights if prepared is not None else ws
+    if len(weights) == 1:
+        return linear(x, weights[0])
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     kernel = None
-    if (not batch_invariant.enabled() and len(ws) <= MAX_PARTS and x.dtype in (torch.float32, torch.bfloat16)
-            and x.numel() and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in ws)))
-            and all(w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2 and w.stride(1) == 1
-                    and w.shape[1] == x.shape[-1] for w in ws)):
-        kernel = bf16_parts_kernel()
+    if (not batch_invariant.enabled() and x.dtype in (torch.float32, torch.bfloat16) and x.numel()
+            and weights[0].shape[1] == x.shape[-1]
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))):
+        prepared = prepared if prepared is not None else weight_parts(weights)
+        kernel = bf16_parts_kernel() if prepared is not None else None
     if kernel is None:
-        return torch.cat([linear(x, w) for w in ws], dim=-1)
-    out = kernel(rows, ws)
+        return torch.cat([linear(x, w) for w in weights], dim=-1)
+    out = kernel(rows, prepared)
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
