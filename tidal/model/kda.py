@@ -86,9 +86,9 @@ class KimiDeltaAttention(nn.Module):
         T = x.shape[0]
         H, K = self.num_heads, self.head_dim
         conv_state, rec_state = batch.cache.kda_storage(self.kda_index)
-        # A pure decode step of a bfloat16 layer: the whole layer in one kernel call (under batch
-        # invariance the torch ops below: see the recurrent part's call).
-        if batch.is_decode and T and not batch_invariant.enabled():
+        # A pure decode step of a bfloat16 CPU layer (its projections left apart, not fused): the whole
+        # layer in one kernel call (under batch invariance the torch ops below: see the recurrent part's call).
+        if batch.is_decode and T and x.is_cpu and self.in_proj is None and not batch_invariant.enabled():
             plan = self._step_plan()
             if plan is not None:
                 out = fused_decode.kda_layer_step(plan, x, conv_state, rec_state, batch.decode_slots(x.device))
