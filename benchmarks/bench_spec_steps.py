@@ -103,7 +103,7 @@ def run_here(args) -> None:
             llm = LLM(enable_prefix_caching=False, speculative_algorithm=algo, **extra)
             llm.engine.spec.policy = Fixed(choice)
             if choice:
-                llm.engine.spec.config.min_accept_rate = 0.0  # every step with a draft verifies it
+                llm.engine.spec.backoff.min_rate = 0.0  # every step with a draft verifies it
             engines[f"{algo} {mode}"] = llm
     parts = {name: defaultdict(float) for name in engines}
     for name, llm in engines.items():

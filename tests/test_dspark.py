@@ -109,8 +109,10 @@ def test_greedy_equal_with_chains_cut_by_confidence(model, trained, replay):
     drafted = {}
     for least in (0.0, 0.01):
         engine = make_engine(model, spec=dspark(trained, replay))
-        engine.spec.policy = CostPolicy(probe_every=1, max_probe_every=1, min_samples=1, skip_first=False,
+        # every other step a probe of the losing kind, whichever wins; no request pauses
+        engine.spec.policy = CostPolicy(probe_every=2, max_probe_every=2, min_samples=1, skip_first=False,
                                         confidence_floor=least, confidence_cap=least)
+        engine.spec.backoff.min_rate = 0.0
         assert outputs(drive(engine, jobs)) == want, least
         m = engine.spec.metrics
         drafted[least] = m.num_drafted_tokens

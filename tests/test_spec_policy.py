@@ -16,8 +16,8 @@ from tidal import SamplingParams
 from tidal.model.init import init_weights
 from tidal.model.kimi import KimiForCausalLM
 from tidal.presets import tiny_k3
-from tidal.spec.decoder import SHADOW_EVERY
-from tidal.spec.policy import CostPolicy, bucket_of
+from tidal.spec.decoder import SHADOW_EVERY, SHADOW_OVERHEAD, shadow_interval
+from tidal.spec.policy import CostPolicy, RequestBackoff, bucket_of
 
 from test_engine import drive, one_thread, random_prompts  # noqa: F401 - one_thread: autouse
 from test_spec import make_engine, outputs, spec_config
@@ -73,6 +73,10 @@ def test_a_large_loss_is_decided_on_one_step_and_a_tie_decodes_plainly():
     p, choices = explore(32, 0.3, 0.07, 48)  # 1.5 tokens a sequence at 4.3x the time: 2.9x a token
     assert choices[:4] == [True, True, False, False] and not any(choices[4:]), choices
     assert p.winner(32) is False
+    p, choices = explore(32, 0.168, 0.07, 48)  # 1.6x a token: still decided at once
+    assert choices[:4] == [True, True, False, False] and not any(choices[4:]), choices
+    p, choices = explore(32, 0.126, 0.07, 48)  # 1.2x: explored, min_samples of each kind kept
+    assert sum(choices[:8]) == 4 and p.winner(32) is False, choices
     p, choices = explore(1, 0.09, 0.03, 1)  # alone: explored min_samples times each
     assert sum(choices[:8]) == 4 and p.winner(1) is False
     p, _ = explore(8, 0.0995, 0.05, 16)  # 2 tokens per sequence at 1.99x the time: within the margin
@@ -156,6 +160,71 @@ def test_a_kinds_first_step_is_not_kept():
     assert len(policy.samples[(1, True)]) == 1 and policy.seconds_per_token(1, True) == 0.003
 
 
+def test_a_kinds_first_step_is_dropped_once_not_per_bucket():
+    policy = CostPolicy(min_samples=1)
+    policy.record(1, True, 0.5, 1)  # the first chain step and the first plain step: dropped
+    policy.record(1, False, 0.01, 1)
+    assert not policy.samples.get((1, True)) and not policy.samples.get((1, False))
+    policy.record(32, True, 0.3, 32)
+    policy.record(32, False, 0.2, 32)
+    assert len(policy.samples[(32, True)]) == 1 and len(policy.samples[(32, False)]) == 1
+
+
+def test_a_probe_costs_its_chains_tokens_at_the_loss():
+    """A probing chain step commits tokens_per_sequence tokens at the loss ratio each: it costs that
+    many times (loss - 1) plain steps more, and comes that much more rarely; a probing plain step
+    costs (loss - 1) / tokens chain steps more."""
+    policy = CostPolicy(min_samples=1, probe_every=1, probe_overhead=0.5, skip_first=False)
+    # chains: 3 tokens a sequence in 6x a plain step's time, 2x a plain token
+    assert policy.speculate(8) is True
+    policy.record(8, True, 0.3, 24)
+    assert policy.speculate(8) is False
+    policy.record(8, False, 0.05, 8)
+    assert policy.loss(8) == pytest.approx(2.0) and policy.winner(8) is False
+    assert policy.probe_interval(8) == int(3 * (policy.loss(8) - 1) / 0.5) >= 5  # 3 x (2 - 1) / 0.5
+    policy = CostPolicy(min_samples=1, probe_every=1, probe_overhead=0.25, skip_first=False)
+    # chains: 4 tokens a sequence in 2x the time, half a plain token's cost
+    assert policy.speculate(8) is True
+    policy.record(8, True, 0.1, 32)
+    assert policy.speculate(8) is False
+    policy.record(8, False, 0.05, 8)
+    assert policy.winner(8) is True and policy.loss(8) == pytest.approx(2.0)
+    assert policy.probe_interval(8) == 1  # (2 - 1) / 4 / 0.25
+
+
+def test_a_request_pauses_doubling_after_rejected_chains():
+    """After each chain that accepts less than min_rate of its drafts, the request skips drafting
+    for 1, 2, 4, ... steps (at most max_pause); a chain that does accept ends the streak."""
+    backoff = RequestBackoff(min_rate=0.25, max_pause=4)
+
+    def allowed(steps: int) -> list[bool]:
+        return [backoff.allows("a") for _ in range(steps)]
+
+    assert allowed(2) == [True, True]
+    backoff.record("a", 7, 1)  # 1 of 7: below the rate
+    assert allowed(2) == [False, True]
+    backoff.record("a", 7, 0)
+    assert allowed(3) == [False, False, True]
+    backoff.record("a", 4, 0)
+    backoff.record("a", 4, 0)  # fourth in a row: 8 steps, capped at 4
+    assert allowed(5) == [False] * 4 + [True]
+    backoff.record("a", 7, 2)  # 2 of 7 accepted: the streak ends
+    backoff.record("a", 7, 0)
+    assert allowed(2) == [False, True]
+    assert backoff.allows("b")  # requests are apart
+    backoff.record("a", 7, 0)
+    backoff.forget("a")
+    assert backoff.allows("a")
+
+
+def test_shadow_drafts_keep_to_a_few_percent_of_the_plain_steps():
+    assert shadow_interval(1, 0.0, 0.0) == SHADOW_EVERY  # nothing measured yet
+    assert shadow_interval(32, 0.001, 0.030) == 32  # one a sequence
+    # a draft costing 60% of a plain step (one sequence): as rarely as keeps it to SHADOW_OVERHEAD
+    n = shadow_interval(1, 0.006, 0.010)
+    assert 0.006 / (n * 0.010) <= SHADOW_OVERHEAD < 0.006 / ((n - 2) * 0.010), n
+
+
 def test_a_probe_that_wins_switches():
     policy = CostPolicy(min_samples=1, window=1, probe_every=2, probe_overhead=1.5, skip_first=False)
     assert feed(policy, 1, {True: 0.05, False: 0.02}, 2) == [True, False]  # chains lose by 2.5x
@@ -192,8 +261,10 @@ def test_greedy_equal_when_the_policy_switches_mid_request(algorithm, tmp_path):
         kw = dict(draft_model_path=str(save_drafter(DsparkModel(drafter_config(model)).init_weights(1), tmp_path)),
                   dspark_block_size=3)
     engine = make_engine(model, spec=spec_config(algorithm, adaptive=True, **kw))
-    # alternates; every draft is verified (a random drafter is never sure of one)
-    engine.spec.policy = CostPolicy(probe_every=1, max_probe_every=1, min_samples=1, skip_first=False, confidence_cap=0.0)
+    # alternates (every other step a probe of the losing kind, whichever wins); every draft is
+    # verified (a random drafter is never sure of one), and its rejected chains pause no request
+    engine.spec.policy = CostPolicy(probe_every=2, max_probe_every=2, min_samples=1, skip_first=False, confidence_cap=0.0)
+    engine.spec.backoff.min_rate = 0.0
     assert outputs(drive(engine, jobs)) == outputs(want)
     seen = engine.spec.policy.samples
     assert any(len(seen[(b, True)]) >= 3 and len(seen.get((b, False), ())) >= 3 for b, s in seen if s), seen

@@ -35,8 +35,9 @@ class SpeculativeConfig:
     # Decide from measured costs whether a step speculates (tidal.spec.policy: seconds per
     # committed token with and without chains, per batch size); False: always, where drafts exist.
     adaptive: bool = True
-    # A request whose recent drafts are mostly rejected (running acceptance below this) stops
-    # drafting for a while, then probes again: a chain that is rejected costs more than a decode.
+    # A request whose chain accepted less than this fraction of its drafts decodes plainly for its
+    # next 1, 2, 4, ... steps (doubling while its chains keep failing; tidal.spec.policy.RequestBackoff):
+    # a chain that is rejected costs more than a decode.
     min_accept_rate: float = 0.25
     # Whether num_draft_tokens was defaulted (then a DSPARK block is cut to the drafter's trained
     # block size: tidal.spec.decoder.make_drafter); set from num_draft_tokens, never passed.

@@ -20,7 +20,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import time
 
 import torch
 
@@ -32,16 +34,17 @@ from tidal.spec.accept import accept_chain, chain_rows
 from tidal.spec.config import SpeculativeConfig
 from tidal.spec.drafter import Draft, Drafter, NgramDrafter, confident_prefix, propose_all
 from tidal.spec.metrics import SpecMetrics
-from tidal.spec.policy import CostPolicy
+from tidal.spec.policy import CostPolicy, RequestBackoff
 from tidal.spec.rollback import ChainMemory
 
 
 # While the policy has steps decode plainly, one request drafts without verifying every this many
-# steps, or every as many steps as the step has decoding sequences where that is more (a shadow
-# draft: its acceptance keeps the policy's estimate of the text current at a small cost).
+# steps, or every as many steps as the step has decoding sequences where that is more, or as
+# rarely as keeps the drafts' time to SHADOW_OVERHEAD of the plain steps' (a shadow draft: its
+# acceptance keeps the policy's estimate of the text current at a small cost; drafting for one
+# request can cost most of a plain step where the batch is small).
 SHADOW_EVERY = 4
-RATE_WEIGHT = 0.5  # weight of the newest chain in a request's running acceptance
-PROBE_STEP = 0.02  # rate added per step a request backs off (about 10 steps from 0 to 0.25)
+SHADOW_OVERHEAD = 0.03
 
 
 def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype, device: torch.device,
@@ -69,6 +72,14 @@ def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
     raise ValueError(f"speculative_algorithm {config.algorithm} is not implemented")
 
 
+def shadow_interval(num_decodes: int, draft_seconds: float, step_seconds: float) -> int:
+    """Plain steps from one shadow draft to the next: SHADOW_EVERY, at least one a sequence, and
+    as many as keep a draft of ``draft_seconds`` within SHADOW_OVERHEAD of steps of
+    ``step_seconds`` (0: not measured yet)."""
+    rare = math.ceil(draft_seconds / (SHADOW_OVERHEAD * step_seconds)) if step_seconds > 0 else 0
+    return max(SHADOW_EVERY, num_decodes, rare)
+
+
 def decoding_count(batch) -> int:
     """The step's sequences that decode (one new token, or a chain)."""
     return sum(1 for b, n in enumerate(batch.query_lens) if n == 1 or b in batch.drafts)
@@ -93,9 +104,10 @@ class SpecDecoder:
         self._shadows: dict[str, tuple[Request, int, list[int], int]] = {}
         self._plain_steps = 0
         self._next_shadow = SHADOW_EVERY
-        # request id -> running acceptance of its chains (1.0 until it has one); below
-        # config.min_accept_rate the request decodes plainly, the rate creeping back up each step.
-        self._rate: dict[str, float] = {}
+        self._shadow_seconds = 0.0  # the last shadow draft's time
+        self._plain_seconds = 0.0  # the last decode-only plain step's time
+        # which requests draft in a speculating step (pauses after mostly rejected chains)
+        self.backoff = RequestBackoff(config.min_accept_rate)
 
     def extend(self, batch, budget: int) -> None:
         """Give decodes of the scheduled ``batch`` their drafts (``batch.drafts``), growing their
@@ -117,9 +129,7 @@ class SpecDecoder:
             k = min(cfg.num_draft_tokens, req.max_tokens - req.num_output_tokens - 1, budget)
             if k < 1:
                 continue
-            rate = self._rate.get(req.request_id, 1.0)
-            if rate < cfg.min_accept_rate:  # backing off: probe again once the rate has crept up
-                self._rate[req.request_id] = rate + PROBE_STEP
+            if not self.backoff.allows(req.request_id):
                 continue
             asks.append((req.request_id, req.token_ids, k))
             where.append((i, req, c, k))
@@ -149,7 +159,8 @@ class SpecDecoder:
         self._plain_steps += 1
         if self._plain_steps < self._next_shadow:
             return
-        self._next_shadow = self._plain_steps + max(SHADOW_EVERY, decoding_count(batch))
+        self._next_shadow = self._plain_steps + shadow_interval(decoding_count(batch), self._shadow_seconds,
+                                                                self._plain_seconds)
         cands = [r for r, n, c in zip(batch.requests, batch.query_lens, batch.cached_lens)
                  if n == 1 and c == r.num_tokens - 1 and r.constraint is None and r.request_id not in self._shadows]
         k = self.config.num_draft_tokens
@@ -161,7 +172,9 @@ class SpecDecoder:
             return
         n = decoding_count(batch)
         least = self.policy.min_confidence(n)  # a speculative step would verify the prefix sure enough
+        start = time.perf_counter()
         draft = propose_all(self.drafter, [(req.request_id, req.token_ids, k)], least)[0]
+        self._shadow_seconds = time.perf_counter() - start
         k = min(k, confident_prefix(draft, least)) if draft is not None else 0
         if draft is None or not draft.tokens or k < 1:
             self.policy.record_shadow(n, 1)  # a speculative step would commit its one token
@@ -188,6 +201,8 @@ class SpecDecoder:
         tokens committed): only steps without prefill work inform the policy."""
         if self.policy is None or any(n > 1 for b, n in enumerate(batch.query_lens) if b not in batch.drafts):
             return
+        if not batch.drafts:
+            self._plain_seconds = seconds
         self.policy.record(decoding_count(batch), bool(batch.drafts), seconds, tokens)
 
     def accept(self, req: Request, draft: Draft, logits: torch.Tensor) -> list[SampleResult]:
@@ -223,8 +238,7 @@ class SpecDecoder:
             req.num_computed_tokens = cached + appended
             self.pool.truncate(req.request_id, req.num_computed_tokens + 1)
             self.metrics.record(drafted, accepted, appended)
-            rate = self._rate.get(req.request_id, 1.0)
-            self._rate[req.request_id] = (1 - RATE_WEIGHT) * rate + RATE_WEIGHT * accepted / max(1, drafted)
+            self.backoff.record(req.request_id, drafted, accepted)
 
     def forget(self, request_id: str) -> None:
         shadow = self._shadows.get(request_id)
@@ -232,7 +246,7 @@ class SpecDecoder:
             self._score_shadows()  # a finished request's shadow is scored with what it produced
         self._shadows.pop(request_id, None)
         self.memory.release(request_id)
-        self._rate.pop(request_id, None)
+        self.backoff.forget(request_id)
         self.drafter.forget(request_id)
 
     def release_all(self) -> None:

@@ -14,8 +14,8 @@ decides and what the text decides. Per batch-size bucket (the step's decoding se
 up to a power of two) it keeps the wall time per decoding sequence of the last ``window`` steps
 that speculated and of the last ``window`` that did not (steps with prefill work are not
 counted: their cost is the prefill's): their ratio is what a chain costs against a decode on
-this machine at this batch size, drafting included, and barely depends on the text (a bucket's
-first step of each kind is not kept: it pays first-use costs). It also keeps the tokens
+this machine at this batch size, drafting included, and barely depends on the text (the
+policy's first step of each kind is not kept: it pays first-use costs). It also keeps the tokens
 committed per decoding sequence of the last ``accept_window`` speculative samples of the bucket:
 the steps that speculated, and shadow drafts (``record_shadow``: while the
 engine decodes plainly it drafts for one request now and then without verifying, and counts how
@@ -39,9 +39,16 @@ A bucket measures both kinds of step first, alternating, ``min_samples`` each, e
 speculation is not tried first in a bucket above one where it lost (a verified chain only gets
 more expensive relative to a decode as the batch grows). After that the losing kind is run
 again now and then so its time stays current (the loser is judged on its last ``min_samples``
-steps): once every (loss ratio - 1) / ``probe_overhead``
-steps of the bucket (at least ``probe_every``, at most ``max_probe_every``), so that what probing
-costs stays near ``probe_overhead`` of the bucket's time however far apart the two are.
+steps): as rarely as what one probe costs beyond a step of the winner, over ``probe_overhead``
+of such a step (:meth:`CostPolicy.probe_interval`; at least ``probe_every``, at most
+``max_probe_every`` steps of the bucket), so that what probing costs stays near
+``probe_overhead`` of the bucket's time however far apart the two are.
+
+Which requests of a speculating step draft is decided per request (:class:`RequestBackoff`): one
+whose last chains were mostly rejected pauses for a number of steps that doubles with each such
+chain in a row, so a drafter that is wrong for a stretch of text (confidently, so that the
+confidence cut does not help) costs a few short pauses, and one that stays wrong is asked ever
+more rarely.
 """
 
 from __future__ import annotations
@@ -68,9 +75,9 @@ class CostPolicy:
     probe_every: int = 16  # steps of a bucket between runs of the losing kind, at least
     probe_overhead: float = 0.01  # what probing may cost, as a fraction of the bucket's time
     max_probe_every: int = 1024
-    skip_first: bool = True  # a bucket's first step of each kind is not kept (first-use costs)
+    skip_first: bool = True  # the first step of each kind is not kept (first-use costs)
     margin: float = 0.03  # speculation must be this much cheaper per token to be chosen
-    decisive: float = 2.0  # a loss this large is decided on one step of each kind (see winner)
+    decisive: float = 1.5  # a loss this large is decided on one step of each kind (see winner)
     step_overhead: float = 16.0  # a decode step's fixed cost, in tokens of work
     confidence_floor: float = 0.02  # drafts below this chance of being reached are never verified
     confidence_cap: float = 0.9  # the surest drafts are always verified (the bucket choice measures them)
@@ -107,8 +114,8 @@ class CostPolicy:
         b = bucket_of(num_decodes)
         if speculated:
             self._accept(b, (tokens, num_decodes))
-        if self.skip_first and (b, speculated) not in self._warm:
-            self._warm.add((b, speculated))
+        if self.skip_first and speculated not in self._warm:
+            self._warm.add(speculated)
             return
         self._of(b, speculated).append((seconds, num_decodes))
 
@@ -167,8 +174,19 @@ class CostPolicy:
         return max(a, b) / max(min(a, b), 1e-12)
 
     def probe_interval(self, bucket: int) -> int:
-        loss = self.loss(bucket) or self._loss_below(bucket) or 1.0
-        return int(min(self.max_probe_every, max(self.probe_every, (loss - 1.0) / self.probe_overhead)))
+        """Steps of ``bucket`` between runs of the losing kind: what one costs beyond a step of the
+        winner, over ``probe_overhead`` of a winner's step. A probing chain step commits
+        ``tokens_per_sequence`` tokens a sequence at ``loss`` times a plain token's cost, so it costs
+        tokens x (loss - 1) plain steps more; a probing plain step costs (loss - 1) / tokens chain
+        steps more."""
+        loss = self.loss(bucket)
+        if loss is None:
+            loss, chains_lost = self._loss_below(bucket) or 1.0, True
+        else:
+            chains_lost = self._last.get(bucket) is False
+        tokens = max(1.0, self.tokens_per_sequence(bucket))
+        extra = (loss - 1.0) * (tokens if chains_lost else 1.0 / tokens)
+        return int(min(self.max_probe_every, max(self.probe_every, extra / self.probe_overhead)))
 
     def _loss_below(self, bucket: int) -> float | None:
         """How much speculation lost by in the nearest smaller bucket where it lost (None: none)."""
@@ -185,3 +203,37 @@ class CostPolicy:
         if key not in self.samples:
             self.samples[key] = deque(maxlen=self.window)
         return self.samples[key]
+
+
+@dataclass
+class RequestBackoff:
+    """Per request: after a chain that accepted less than ``min_rate`` of its drafts, the request
+    decodes plainly for its next 1, 2, 4, ... steps (doubling with each such chain in a row, at
+    most ``max_pause``), then drafts again; a chain at or above the rate ends the streak."""
+
+    min_rate: float = 0.25
+    max_pause: int = 32
+    _streak: dict[str, int] = field(default_factory=dict)
+    _pause: dict[str, int] = field(default_factory=dict)
+
+    def allows(self, request_id: str) -> bool:
+        """Whether the request drafts in this step (a step it does not is one of its pause)."""
+        left = self._pause.get(request_id, 0)
+        if left > 0:
+            self._pause[request_id] = left - 1
+            return False
+        return True
+
+    def record(self, request_id: str, drafted: int, accepted: int) -> None:
+        """A verified chain of the request: ``accepted`` of its ``drafted`` tokens."""
+        if drafted <= 0:
+            return
+        if accepted >= self.min_rate * drafted:
+            self._streak.pop(request_id, None)
+            return
+        n = self._streak[request_id] = self._streak.get(request_id, 0) + 1
+        self._pause[request_id] = min(self.max_pause, 1 << min(n - 1, 30))
+
+    def forget(self, request_id: str) -> None:
+        self._streak.pop(request_id, None)
+        self._pause.pop(request_id, None)
