@@ -102,17 +102,15 @@ def test_greedy_equal_with_chains_cut_by_confidence(model, trained, replay):
     the block, stays at the least it asks for (here a fixed 0.01, the policy alternating chains and
     plain steps): chains of several lengths, fewer drafted tokens than with every block verified
     whole, outputs equal plain decoding either way."""
-    from tidal.spec.policy import CostPolicy
+    from test_spec_policy import Alternating
 
     jobs = greedy_jobs(PROMPTS, (3, 24))
     want = outputs(drive(make_engine(model), jobs))
     drafted = {}
     for least in (0.0, 0.01):
         engine = make_engine(model, spec=dspark(trained, replay))
-        # every other step a probe of the losing kind, whichever wins; no request pauses
-        engine.spec.policy = CostPolicy(probe_every=2, max_probe_every=2, min_samples=1, skip_first=False,
-                                        confidence_floor=least, confidence_cap=least)
-        engine.spec.backoff.min_rate = 0.0
+        engine.spec.policy = Alternating(skip_first=False, confidence_floor=least, confidence_cap=least)
+        engine.spec.backoff.min_rate = 0.0  # no request pauses
         assert outputs(drive(engine, jobs)) == want, least
         m = engine.spec.metrics
         drafted[least] = m.num_drafted_tokens
