@@ -2,6 +2,7 @@
 
     python benchmarks/bench_load.py --size-gb 1                  # one process and 2 ranks
     python benchmarks/bench_load.py --size-gb 1 --tp-size 1 2 4 --ep-size 2
+    python benchmarks/bench_load.py --size-gb 0.5 --experts mxfp4   # packed MXFP4 experts
 
 Writes a random Kimi Linear-layout checkpoint of about --size-gb (bf16, sharded), then times
 ``cat shards > /dev/null`` and each load on the same files, each after dropping the page cache when
@@ -23,6 +24,11 @@ eager`` times the copying load (``--strategy lazy eager``: both, each round). Ev
 weights on the CPU it copies nothing, ``tidal.model.layers.keeps_apart``) and the ratio of load plus
 that to cat. A mapped load has read its pages and mapped them (MADV_POPULATE_READ) before it
 returns, so the first forward pass reads no file. Each line ends with the load average.
+
+``--experts mxfp4`` writes the routed experts as MXFP4 (compressed-tensors ``weight_packed`` /
+``weight_scale``, the expert count grown to the same --size-gb) and loads them packed
+(``quantization="mxfp4"``): mapped, each expert's codes and scales stay in the file's mapping
+(``PackedExperts.use_matrices``); eager, they are read into the stacked buffers.
 """
 
 from __future__ import annotations
@@ -41,18 +47,18 @@ sys.path.insert(0, str(ROOT))  # this checkout's tidal, not an installed one
 import torch
 
 from tidal.config import ModelConfig
-from tidal.model.checkpoint import save_model
+from tidal.model.checkpoint import MXFP4, save_model
 from tidal.model.kimi import KimiForCausalLM
 from tidal.presets import tiny_kimi_linear_dict
 
 
-def big_config(size_gb: float) -> ModelConfig:
+def big_config(size_gb: float, packed: bool = False) -> ModelConfig:
     d = tiny_kimi_linear_dict(hidden_size=1024, num_layers=8, vocab_size=32000, num_experts=16, top_k=2)
     d.update(intermediate_size=4096, moe_intermediate_size=512, num_attention_heads=8, num_key_value_heads=8,
              kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, torch_dtype="bfloat16")
     d["linear_attn_config"].update(num_heads=8, head_dim=128)
-    # grow the expert count until the bf16 size reaches the target
-    per_expert_layer = 3 * 1024 * 512 * 2 * (d["num_hidden_layers"] - 1)
+    # grow the expert count until the checkpoint's size reaches the target (MXFP4: 4.25 bits a weight)
+    per_expert_layer = 3 * 1024 * 512 * (17 / 32 if packed else 2) * (d["num_hidden_layers"] - 1)
     base = sum(p.numel() for p in KimiForCausalLM(ModelConfig.from_dict({**d, "num_experts": 2})).parameters()) * 2
     d["num_experts"] = max(2, int((size_gb * 1e9 - base) / per_expert_layer) + 2)
     return ModelConfig.from_dict(d)
@@ -81,7 +87,7 @@ LOAD = """
 import sys, time, torch
 sys.path.insert(0, {root!r})
 from tidal.model.checkpoint import load_model
-t = time.perf_counter(); m = load_model({ckpt!r}, torch.bfloat16, use_mmap={mmap}); t1 = time.perf_counter()
+t = time.perf_counter(); m = load_model({ckpt!r}, torch.bfloat16, use_mmap={mmap}, quantization={quant!r}); t1 = time.perf_counter()
 m.process_weights_after_loading(); print(time.perf_counter() - t1, t1 - t)
 """
 
@@ -98,7 +104,7 @@ def in_fresh_process(code: str) -> float:
     return float(out.stdout.split()[-1])
 
 
-def _rank_load(place, comm, path: str, mmap: bool) -> tuple[int, float]:
+def _rank_load(place, comm, path: str, mmap: bool, quantization: str | None) -> tuple[int, float, float]:
     """One rank: its shard's bytes, the load's seconds and process_weights_after_loading's, each
     between two barriers."""
     import torch.distributed as dist
@@ -107,7 +113,7 @@ def _rank_load(place, comm, path: str, mmap: bool) -> tuple[int, float]:
 
     dist.barrier()
     t0 = time.perf_counter()
-    model = load_rank_model(path, place, comm, torch.bfloat16, use_mmap=mmap)
+    model = load_rank_model(path, place, comm, torch.bfloat16, use_mmap=mmap, quantization=quantization)
     dist.barrier()
     t1 = time.perf_counter()
     model.process_weights_after_loading()
@@ -115,12 +121,12 @@ def _rank_load(place, comm, path: str, mmap: bool) -> tuple[int, float]:
     return model.loaded_bytes, t1 - t0, time.perf_counter() - t1
 
 
-def load_on_ranks(path: Path, tp: int, ep: int, mmap: bool) -> tuple[int, float, float]:
+def load_on_ranks(path: Path, tp: int, ep: int, mmap: bool, quantization: str | None) -> tuple[int, float, float]:
     """(bytes all ranks read, seconds of the load, seconds of process_weights_after_loading) for a
     sharded load on tp processes (each timed from one barrier to the next: the slowest rank's)."""
     from tidal.parallel.launch import run_ranks
 
-    results = run_ranks(_rank_load, tp_size=tp, ep_size=ep, args=(str(path), mmap), timeout_s=3600)
+    results = run_ranks(_rank_load, tp_size=tp, ep_size=ep, args=(str(path), mmap, quantization), timeout_s=3600)
     return sum(b for b, _, _ in results), max(r[1] for r in results), max(r[2] for r in results)
 
 
@@ -141,9 +147,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--strategy", nargs="+", default=["lazy"], choices=["lazy", "eager"],
                     help="--safetensors-load-strategy of the loads, each after its own cat (lazy: mapped; eager: copied)")
+    ap.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4"],
+                    help="routed experts on disk and in memory: bf16, or MXFP4 loaded packed")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    config = big_config(args.size_gb)
+    packed = args.experts == "mxfp4"
+    config = big_config(args.size_gb, packed)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         out = Path(tmp) / "ckpt"
         with torch.device("meta"):
@@ -151,20 +160,20 @@ def main() -> None:
         model = meta.to_empty(device="cpu")
         for p in model.parameters():
             p.data.normal_(0, 0.02)
-        save_model(model.to_dtype(torch.bfloat16), out, max_shard_bytes=256 << 20)
+        save_model(model.to_dtype(torch.bfloat16), out, max_shard_bytes=256 << 20, expert_format=MXFP4 if packed else None)
         del model, meta
         files = sorted(out.glob("*.safetensors"))
         size = sum(f.stat().st_size for f in files)
-        print(f"checkpoint: {len(files)} shards, {size / 1e9:.2f} GB")
+        print(f"checkpoint: {len(files)} shards, {size / 1e9:.2f} GB, {config.num_experts} experts ({args.experts})")
         t_mem = in_fresh_process(FRESH_MEMORY.format(n=size))
         print(f"fresh memory: {size / t_mem / 1e9:.2f} GB/s ({t_mem:.2f} s for the checkpoint's bytes)")
         for tp in args.tp_size:
             for _ in range(args.rounds):
                 for strategy in args.strategy:  # the cat runs before each load
-                    _round(files, size, out, tp, args.ep_size, strategy)
+                    _round(files, size, out, tp, args.ep_size, strategy, "mxfp4" if packed else None)
 
 
-def _round(files: list[Path], size: int, out: Path, tp: int, ep: int, strategy: str) -> None:
+def _round(files: list[Path], size: int, out: Path, tp: int, ep: int, strategy: str, quantization: str | None) -> None:
     """cat, then one load, each after dropping the page cache; prints one line."""
     mmap = strategy == "lazy"
     cold = drop_caches()
@@ -175,10 +184,10 @@ def _round(files: list[Path], size: int, out: Path, tp: int, ep: int, strategy: 
     drop_caches()
     before_load = cached_bytes(files)
     if tp == 1:
-        t_prep, t_load = in_fresh_process_pair(LOAD.format(root=str(ROOT), ckpt=str(out), mmap=mmap))
+        t_prep, t_load = in_fresh_process_pair(LOAD.format(root=str(ROOT), ckpt=str(out), mmap=mmap, quant=quantization))
         read = size
     else:
-        read, t_load, t_prep = load_on_ranks(out, tp, ep, mmap)
+        read, t_load, t_prep = load_on_ranks(out, tp, ep, mmap, quantization)
     prep = (f"   then process_weights_after_loading {t_prep:.2f} s "
             f"(load + that: {read / (t_load + t_prep) / (size / t_cat):.2f} of cat)")
     state = "cold page cache" if cold else "warm page cache (could not drop caches)"

@@ -2,6 +2,7 @@
 ``cat`` of the same files in the same command.
 
     python benchmarks/profile_load.py CHECKPOINT_DIR [--strategy lazy eager] [--rounds 2] [--tree NAME=PATH ...]
+        [--quantization mxfp4]
 
 Per load: wall seconds; thread-seconds and bytes in ``MappedFiles.populate_ranges`` (mapped weights:
 MADV_POPULATE_READ reads the file into the page cache and maps it) and in ``read_block`` (preadv
@@ -9,7 +10,8 @@ into memory of the process's own, the first touch of each new page included); th
 remaining time (model build on the meta device, header checks, conversions, waiting on the
 readers); minor and major page faults; user and system CPU seconds. The reader threads overlap
 each other and the main thread, so the parts do not add up to the wall time. ``--tree``: profile
-other tidal checkouts too (default: this one), each after its own cat.
+other tidal checkouts too (default: this one), each after its own cat. ``--quantization mxfp4``: an
+MXFP4 checkpoint's experts loaded packed (``load_model``'s ``quantization``; default: dequantised).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ timed(mp.MappedFiles, "populate_ranges", "populate (mapped)", lambda a, r: sum(h
 timed(ck, "read_block", "preadv (own memory)", lambda a, r: r.numel() * r.element_size())
 r0 = resource.getrusage(resource.RUSAGE_SELF)
 t = time.perf_counter()
-ck.load_model({ckpt!r}, torch.bfloat16, use_mmap={mmap})
+ck.load_model({ckpt!r}, torch.bfloat16, use_mmap={mmap}, quantization={quant!r})
 wall = time.perf_counter() - t
 r1 = resource.getrusage(resource.RUSAGE_SELF)
 parts = "; ".join(f"{{k}} {{spent[k]:.2f}} thread-s for {{done[k] / 1e9:.3f}} GB" for k in spent)
@@ -61,6 +63,7 @@ def main() -> None:
     ap.add_argument("--strategy", nargs="+", default=["lazy", "eager"], choices=["lazy", "eager"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tree", action="append", default=None, help="NAME=PATH of a tidal checkout (repeat)")
+    ap.add_argument("--quantization", default=None, choices=["mxfp4"], help="load an MXFP4 checkpoint's experts packed")
     args = ap.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree) if args.tree else {"this": str(ROOT)}
     files = sorted(Path(args.checkpoint).glob("*.safetensors"))
@@ -73,7 +76,8 @@ def main() -> None:
             subprocess.run(["cat", *map(str, files)], stdout=subprocess.DEVNULL, check=True)
             cat = time.perf_counter() - t
             drop_caches()
-            code = PROFILE.format(root=str(Path(tree).resolve()), ckpt=str(Path(args.checkpoint).resolve()), mmap=strategy == "lazy")
+            code = PROFILE.format(root=str(Path(tree).resolve()), ckpt=str(Path(args.checkpoint).resolve()),
+                                  mmap=strategy == "lazy", quant=args.quantization)
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
             line = out.stdout.strip().splitlines()[-1]
             wall = float(line.split()[0])

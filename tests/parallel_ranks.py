@@ -140,16 +140,18 @@ def forward_steps(model: KimiForCausalLM, place: RankPlace) -> list:
 
 
 def mapped_and_copied_program(place: RankPlace, comm: Collectives, ckpt: str) -> dict:
-    """One rank, bfloat16: its shard loaded with the file mapped (experts as strided views in file
-    order) and copied; whether every step's logits are equal, and the mapped model's expert slots."""
-    from tidal.model.moe import Experts
+    """One rank, bfloat16: its shard loaded with the file mapped (dense experts as strided views in
+    file order, packed ones each where the file holds it) and copied; whether every step's logits are
+    equal, the mapped model's expert slots and whether its packed experts are held apart."""
+    from tidal.model.moe import Experts, PackedExperts
     from tidal.parallel.loader import load_rank_model
 
     mapped = load_rank_model(ckpt, place, comm, torch.bfloat16).eval().process_weights_after_loading()
     copied = load_rank_model(ckpt, place, comm, torch.bfloat16, use_mmap=False).eval().process_weights_after_loading()
     a, b = forward_steps(mapped, place), forward_steps(copied, place)
     return {"equal": [torch.equal(x, y) for x, y in zip(a, b)],
-            "slots": [m.slots for m in mapped.modules() if isinstance(m, Experts)]}
+            "slots": [m.slots for m in mapped.modules() if isinstance(m, Experts)],
+            "apart": [m.apart for m in mapped.modules() if isinstance(m, PackedExperts)]}
 
 
 def layouts_program(place: RankPlace, comm: Collectives, ckpts: dict, engine: list, forward: list) -> dict:

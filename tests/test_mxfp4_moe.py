@@ -161,3 +161,81 @@ def test_clean_fallbacks(tmp_path, env, expect):
     assert run.stdout.strip() == expect
     built = list((tmp_path / "kernels").glob("mxfp4_gemm-*.so"))
     assert len(built) == (1 if expect == "kernel" else 0)
+
+
+def experts_apart(gen: torch.Generator, packed: torch.Tensor, scales: torch.Tensor, parts: int, pad: int):
+    """The stacked experts' matrices copied apart: each expert's ``parts`` row ranges to its own place
+    in one buffer, the experts in a shuffled order, every row ``pad`` bytes longer than its codes
+    (and scales), as a tensor-parallel rank's columns of the file's rows are."""
+    from tidal.ops.mxfp4_table import ExpertTable
+
+    E, N, half = packed.shape
+    rows = N // parts
+    order = torch.randperm(E * parts, generator=gen).tolist()
+    codes = torch.zeros(E * parts, rows, half + pad, dtype=torch.uint8)
+    scale_rows = torch.zeros(E * parts, rows, scales.shape[2] + pad, dtype=torch.uint8)
+    table, c0, k32 = [], min(1, pad), scales.shape[2]
+    for e in range(E):
+        mats = []
+        for p in range(parts):
+            at = order[e * parts + p]
+            codes[at, :, c0 : c0 + half] = packed[e, p * rows : (p + 1) * rows]
+            scale_rows[at, :, c0 : c0 + k32] = scales[e, p * rows : (p + 1) * rows]
+            mats.append((codes[at, :, c0 : c0 + half], scale_rows[at, :, c0 : c0 + k32]))
+        table.append(mats)
+    return ExpertTable.of_parts(table)
+
+
+@pytest.mark.parametrize("parts,pad", [(1, 0), (2, 0), (2, 7), (1, 16)])
+def test_experts_apart_equal_stacked_bitwise(kernels, parts, pad):
+    """The kernels on each expert's matrices wherever they are (the table of a mapped checkpoint:
+    gate and up apart, experts in any order, rows longer than their codes) give the stacked experts'
+    bits, at decode (one row per expert: the register path) and prefill group sizes; the torch form
+    on the table equals it on the stacked tensors."""
+    gen = torch.Generator().manual_seed(11 + parts + pad)
+    packed, scales = random_experts(gen, 6, 2 * 56, 96)  # a part of 56 rows: not a multiple of the chunk
+    table = experts_apart(gen, packed, scales, parts, pad)
+    for counts in ([1, 1, 1], [3, 1, 17, 2]):
+        experts, offsets, ids = groups(gen, 6, counts)
+        x = torch.randn(sum(counts), 96, generator=gen)
+        want = kernels[0](x, offsets, ids, packed, scales)
+        assert torch.equal(kernels[0](x, offsets, ids, table), want)
+        assert torch.equal(mxfp4_moe.grouped_matmul(x, offsets, ids, counts, experts, table), want)
+        assert torch.equal(mxfp4_moe.grouped_matmul_torch(x, counts, experts, table),
+                           mxfp4_moe.grouped_matmul_torch(x, counts, experts, packed, scales))
+
+
+def test_packed_experts_held_apart_equal_stacked_bitwise():
+    """PackedExperts on its matrices apart (use_matrices) == the stacked module, bitwise: one token (the
+    one-call C path), a decode batch and a prefill (grouped kernel); state_dict is the stacked one,
+    and own_storage() gives the stacked buffers back. Writing through target() is refused."""
+    from tidal.model.moe import PackedExperts
+    from tidal.presets import tiny_k3
+
+    config = tiny_k3(num_experts=6)
+    gen = torch.Generator().manual_seed(12)
+    stacked = PackedExperts(config)
+    for name, buf in stacked.named_buffers():  # scales near 1.0
+        buf.copy_(torch.randint(0, 256, buf.shape, generator=gen) if "packed" in name else
+                  torch.randint(118, 131, buf.shape, generator=gen))
+    inter = config.moe_intermediate_size
+    apart = PackedExperts(config)
+    copies = {n: b.clone() for n, b in stacked.named_buffers()}  # apart's own memory
+    apart.use_matrices({
+        "w1": [(copies["w13_weight_packed"][e, :inter], copies["w13_weight_scale"][e, :inter]) for e in range(6)],
+        "w3": [(copies["w13_weight_packed"][e, inter:], copies["w13_weight_scale"][e, inter:]) for e in range(6)],
+        "w2": [(copies["w2_weight_packed"][e], copies["w2_weight_scale"][e]) for e in range(6)],
+    })
+    assert apart.apart and apart.w13_weight_packed is None
+    d = config.expert_hidden_size
+    for T in (1, 4, 70):
+        h = torch.randn(T, d, generator=gen)
+        ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(T)])
+        w = torch.rand(T, 2, generator=gen)
+        assert torch.equal(apart(h, ids, w), stacked(h, ids, w)), T
+    a, s = apart.state_dict(), stacked.state_dict()
+    assert a.keys() == s.keys() and all(torch.equal(a[k], s[k]) for k in s)
+    with pytest.raises(ValueError, match="held apart"):
+        apart.target("w1", "packed")
+    apart.own_storage()
+    assert not apart.apart and all(torch.equal(b, dict(stacked.named_buffers())[n]) for n, b in apart.named_buffers())

@@ -242,7 +242,7 @@ class _Checkpoint:
         columns, a view with the file's row stride) as a tensor of ``shape`` and ``dtype`` that is a
         view of the file's mapping (``tidal.model.mapped``), or None where its bytes are not that
         tensor's bytes (another dtype, a part past the end, misaligned). Column ranges are 16-bit
-        only (as stacked experts, MAPPED_EXPERT_DTYPES)."""
+        (as stacked experts, MAPPED_EXPERT_DTYPES) or MXFP4 codes and scales (uint8) only."""
         offset, disk_shape, disk_dtype = self.info(name)
         if disk_dtype != dtype:
             return None
@@ -252,7 +252,7 @@ class _Checkpoint:
         path = self.root / self.where[name]
         if part is not None and part[0] == 1:
             dim, start, stop = part
-            if len(disk_shape) != 2 or stop > disk_shape[1] or dtype not in MAPPED_EXPERT_DTYPES \
+            if len(disk_shape) != 2 or stop > disk_shape[1] or dtype not in (*MAPPED_EXPERT_DTYPES, torch.uint8) \
                     or tuple(shape) != (disk_shape[0], stop - start):
                 return None
             isz, cols = dtype.itemsize, disk_shape[1]
@@ -578,10 +578,13 @@ def load_model(
             model.to_dtype(dtype)
             if keep_packed:
                 pack_experts(model)
+        _check(ckpt, config, layout)
+        targets = model.state_dict(keep_vars=True)  # before any module holds experts apart (its state_dict copies)
+        apart: dict[str, torch.Tensor] = {}
+        if use_mmap and device.type == "cpu" and keep_packed:
+            apart = map_packed_experts(ckpt, model, _packed_experts(layout), {})
         if keep_packed:
             _materialise_packed(model, device)
-        targets = model.state_dict(keep_vars=True)
-        _check(ckpt, config, layout)
         progress = _Progress(root, len(layout))
         filled: dict[str, torch.Tensor] = {}
         pending: dict[tuple[str, int], torch.Tensor] = {}  # MXFP4 half waiting for its other half
@@ -590,6 +593,7 @@ def load_model(
         slots: dict[str, list[int]] = {}
         if use_mmap and device.type == "cpu":
             views = _map_weights(ckpt, layout, targets, filled)
+            views.update(apart)
             if not keep_packed:
                 slots = map_experts(ckpt, targets, filled, views, _stacked_experts(layout), {})
 
@@ -611,6 +615,7 @@ def load_model(
             if isinstance(name, tuple):  # a span of mapped weights, populated
                 for t in tensor:
                     progress.add(t)
+                check_mapped_scales(ckpt, layout, name, tensor)
                 continue
             spec, src = layout[name]
             progress.add(tensor)
@@ -661,6 +666,73 @@ def _map_weights(ckpt: _Checkpoint, layout: dict[str, tuple[TensorSpec, _Source]
             if view is not None:
                 views[name] = filled[src.param] = view
     return views
+
+
+def _packed_experts(layout: dict[str, tuple[TensorSpec, _Source]], local: Callable[[str], tuple[int, int] | None]
+                    = lambda param: None) -> dict[str, dict[str, list[tuple[str, str]]]]:
+    """Experts module -> leaf (w1/w2/w3) -> (packed, scale) checkpoint names of each expert it holds
+    (``local`` as :func:`_stacked_experts`'), for MXFP4 experts."""
+    names: dict[tuple[str, str, int], dict[str, str]] = {}
+    for name, (spec, src) in layout.items():
+        if src.expert is None or src.part not in ("packed", "scale"):
+            continue
+        first, count = local(src.param) or (0, None)
+        if src.expert < first or (count is not None and src.expert >= first + count):
+            continue
+        module, _, leaf = src.param.rpartition(".")
+        names.setdefault((module, leaf, src.expert), {})[src.part] = name
+    out: dict[str, dict[str, list[tuple[str, str]]]] = {}
+    for (module, leaf, _), pair in sorted(names.items()):
+        out.setdefault(module, {}).setdefault(leaf, []).append((pair["packed"], pair["scale"]))
+    return out
+
+
+def map_packed_experts(ckpt: _Checkpoint, model: KimiForCausalLM, experts: dict[str, dict[str, list[tuple[str, str]]]],
+                       parts: dict[str, tuple[int, int, int]]) -> dict[str, torch.Tensor]:
+    """Leave MXFP4 experts in the file's mapping: every PackedExperts module of ``experts`` (from
+    :func:`_packed_experts`) all of whose codes and scales map holds them apart
+    (``PackedExperts.use_matrices``: one view per expert and weight, wherever the file put it);
+    returns checkpoint name -> view. ``parts``: checkpoint name -> the (dim, start, stop) a rank
+    holds (rows of w1/w3, columns of w2); absent: all of it. A module with a tensor that does not
+    map is left to the copying load."""
+    out: dict[str, torch.Tensor] = {}
+    for module_name, leaves in experts.items():
+        module = model.get_submodule(module_name)
+        if not isinstance(module, PackedExperts):
+            continue
+        matrices: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        views: dict[str, torch.Tensor] = {}
+        for leaf, pairs in leaves.items():
+            for pair in pairs:
+                got = []
+                for name in pair:
+                    _, shape, _ = ckpt.info(name)
+                    part = parts.get(name)
+                    held = list(shape)
+                    if part is not None:
+                        held[part[0]] = part[2] - part[1]
+                    view = ckpt.view(name, tuple(held), torch.uint8, part) if len(shape) == 2 else None
+                    if view is None:
+                        break
+                    views[name] = view
+                    got.append(view)
+                if len(got) != 2:
+                    break
+                matrices.setdefault(leaf, []).append((got[0], got[1]))
+        try:
+            module.use_matrices(matrices)
+        except ValueError:  # a tensor that did not map, or not this module's shapes
+            continue
+        out.update(views)
+    return out
+
+
+def check_mapped_scales(ckpt: _Checkpoint, layout: dict[str, tuple[TensorSpec, _Source]], names: tuple[str, ...],
+                        views: tuple[torch.Tensor, ...]) -> None:
+    """The scale check of :func:`_check_scales` for a span of mapped weights (after populating it)."""
+    for name, view in zip(names, views):
+        if layout[name][1].part == "scale":
+            _check_scales(ckpt, name, view)
 
 
 def _stacked_experts(layout: dict[str, tuple[TensorSpec, _Source]], local: Callable[[str], tuple[int, int] | None]
@@ -810,9 +882,10 @@ def _check_scales(ckpt: _Checkpoint, name: str, scales: torch.Tensor) -> None:
 
 
 def _materialise_packed(model: KimiForCausalLM, device: torch.device) -> None:
-    """Give every PackedExperts uninitialised uint8 buffers on ``device`` (the loader fills them)."""
+    """Give every PackedExperts uninitialised uint8 buffers on ``device`` (the loader fills them),
+    except those holding their matrices apart (mapped)."""
     for module in model.modules():
-        if isinstance(module, PackedExperts):
+        if isinstance(module, PackedExperts) and not module.apart:
             for name, buf in module._buffers.items():
                 module._buffers[name] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
 
@@ -951,7 +1024,7 @@ def _disk_tensor(
         module_name, _, leaf = src.param.rpartition(".")
         experts = model.get_submodule(module_name)
         assert isinstance(experts, PackedExperts)
-        codes, scales = (experts.target(leaf, part)[src.expert].cpu() for part in ("packed", "scale"))
+        codes, scales = (t.cpu() for t in experts.expert_matrices(leaf, src.expert))
         if src.part == "weight":
             return dequantize_mxfp4(codes, scales, spec.dtype)
         return (codes if src.part == "packed" else scales).clone()

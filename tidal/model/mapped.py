@@ -3,8 +3,10 @@
 Reading a weight into memory the process allocates costs a copy out of the page cache and the first
 touch of every new page, which on a virtual machine is the slow part of a load (a fresh process
 fills new memory at a fraction of the disk's rate). A weight whose bytes on disk are its bytes in
-memory (same dtype: a whole tensor, a range of its rows, or one stacked expert weight as a strided
-view over the experts' runs, ``checkpoint.map_experts``) is instead a view of the file's mapping: the load reads the file into the page
+memory (same dtype: a whole tensor, a range of its rows, one stacked expert weight as a strided
+view over the experts' runs, ``checkpoint.map_experts``, or each MXFP4 expert's codes and scales
+wherever the file put them, ``checkpoint.map_packed_experts``) is instead a view of the file's
+mapping: the load reads the file into the page
 cache, as ``cat`` does, and maps those pages (``MADV_POPULATE_READ``), with no copy and no new
 memory. This is llama.cpp's default (``--no-mmap`` turns it off there; ``use_mmap=False`` here).
 

@@ -21,6 +21,7 @@ from tidal.ops.activation import can_overwrite, situ, swiglu
 from tidal.ops import dense, fused_decode, mxfp4_moe
 from tidal.ops.cpu_kernels import grouped_gemm_for
 from tidal.ops.mxfp import BLOCK, quantize_mxfp4
+from tidal.ops.mxfp4_table import ExpertTable, Matrices
 from tidal.ops.triton import use_triton
 
 # With the C grouped matmul, decode batches whose experts get at most this many rows each use it.
@@ -356,7 +357,16 @@ class PackedExperts(nn.Module):
     ``tidal.ops.mxfp``), gate and up stacked: ``w13_weight_packed`` [E, 2I, d_e/2] (rows :I are w1,
     I: are w3), ``w13_weight_scale`` [E, 2I, d_e/32], ``w2_weight_packed`` [E, d_e, I/2],
     ``w2_weight_scale`` [E, d_e, I/32], all uint8. Same routing sums as :class:`Experts`; the products
-    run in ``tidal.ops.mxfp4_moe`` (float32 accumulation of the exact weight values)."""
+    run in ``tidal.ops.mxfp4_moe`` (float32 accumulation of the exact weight values).
+
+    Or each expert's matrices apart (:meth:`use_matrices`: the loader leaves them in the checkpoint's
+    mapping, where the file holds w1, w2 and w3 of each expert one after the other): the four stacked
+    buffers are then None, every matrix is a non-persistent buffer of its own (``w1_packed_0`` ...,
+    so ``buffers()`` counts their bytes), the kernels read them through
+    :class:`~tidal.ops.mxfp4_table.ExpertTable` s, and ``state_dict()`` still speaks the stacked names
+    (stacked copies). The CPU only; :meth:`own_storage` stacks them back."""
+
+    PARTS = ("packed", "scale")
 
     def __init__(self, config: ModelConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -368,6 +378,91 @@ class PackedExperts(nn.Module):
         self.register_buffer("w2_weight_packed", torch.zeros(E, d, inter // 2, **u8))
         self.register_buffer("w2_weight_scale", torch.zeros(E, d, inter // BLOCK, **u8))
         self.local_experts: tuple[int, int] | None = None  # as Experts.local_experts
+        # (gate | up, down) tables of the matrices apart (use_matrices); None: the stacked buffers
+        self._apart: tuple[ExpertTable, ExpertTable] | None = None
+
+    @property
+    def apart(self) -> bool:
+        """Whether the experts' matrices are apart (:meth:`use_matrices`) rather than stacked."""
+        return self._apart is not None
+
+    def use_matrices(self, matrices: dict[str, list[Matrices]]) -> None:
+        """Hold each expert's matrices where they are: ``matrices[leaf][e]`` = (packed [out, in/2],
+        scales [out, in/32]) of weight ``leaf`` (w1, w3: [I, ...]; w2: [d_e, ...]) of local expert e,
+        CPU uint8 with unit column stride and, per leaf, one row stride (views of a mapped file).
+        The stacked buffers are dropped."""
+        E, d, inter = self.config.num_experts, self.config.expert_hidden_size, self.config.moe_intermediate_size
+        want = {"w1": (inter, d), "w3": (inter, d), "w2": (d, inter)}
+        for leaf, (out_f, in_f) in want.items():
+            got = matrices.get(leaf, [])
+            if len(got) != E or any(tuple(p.shape) != (out_f, in_f // 2) or tuple(sc.shape) != (out_f, in_f // BLOCK)
+                                    for p, sc in got):
+                raise ValueError(f"use_matrices: {leaf} needs {E} experts of packed [{out_f}, {in_f // 2}] and scales "
+                                 f"[{out_f}, {in_f // BLOCK}]")
+        tables = (ExpertTable.of_parts([[matrices["w1"][e], matrices["w3"][e]] for e in range(E)]),
+                  ExpertTable.of_parts([[matrices["w2"][e]] for e in range(E)]))
+        for name in ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale"):
+            self._buffers[name] = None
+        for leaf, pairs in matrices.items():
+            for e, pair in enumerate(pairs):
+                for part, t in zip(self.PARTS, pair):
+                    self.register_buffer(f"{leaf}_{part}_{e}", t, persistent=False)
+        self._apart = tables
+
+    def own_storage(self) -> None:
+        """Stacked buffers of this module's own again (a copy of matrices held apart)."""
+        if self._apart is None:
+            return
+        stacked = {name: self.stacked(name) for name in ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed",
+                                                         "w2_weight_scale")}
+        for name in [n for n in self._buffers if n.startswith(("w1_", "w2_", "w3_"))]:
+            del self._buffers[name]
+            self._non_persistent_buffers_set.discard(name)
+        self._buffers.update(stacked)
+        self._apart = None
+
+    def tables(self) -> tuple[ExpertTable, ExpertTable]:
+        """(gate | up, down) as the packed kernels read them (of the stacked buffers: kept while
+        those do not change)."""
+        if self._apart is not None:
+            return self._apart
+        bufs = (self.w13_weight_packed, self.w13_weight_scale, self.w2_weight_packed, self.w2_weight_scale)
+        return derived_weight(self, "_stacked_tables", bufs, lambda: (ExpertTable.stacked(*bufs[:2]),
+                                                                        ExpertTable.stacked(*bufs[2:])))
+
+    def expert_matrices(self, leaf: str, e: int) -> Matrices:
+        """(packed, scales) of weight ``leaf`` (w1/w2/w3) of local expert e, stacked or apart."""
+        if self._apart is not None:
+            return self._buffers[f"{leaf}_packed_{e}"], self._buffers[f"{leaf}_scale_{e}"]
+        return self.target(leaf, "packed")[e], self.target(leaf, "scale")[e]
+
+    def weights(self, leaf: str, part: str) -> torch.Tensor:
+        """Weight ``leaf`` (w1/w2/w3) of every expert as its ``part`` ("packed" or "scale") to read:
+        :meth:`target`, or a stacked copy of the matrices held apart."""
+        if self._apart is None:
+            return self.target(leaf, part)
+        i = self.PARTS.index(part)
+        return torch.stack([self.expert_matrices(leaf, e)[i] for e in range(self.config.num_experts)])
+
+    def stacked(self, name: str) -> torch.Tensor:
+        """Buffer ``name`` (w13_weight_packed, ...) stacked: the buffer itself, or a stacked copy of
+        the matrices held apart."""
+        if self._apart is None:
+            return getattr(self, name)
+        part = 0 if name.endswith("packed") else 1
+        leaves = ("w1", "w3") if name.startswith("w13") else ("w2",)
+        return torch.stack([torch.cat([self.expert_matrices(leaf, e)[part] for leaf in leaves])
+                            for e in range(self.config.num_experts)])
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._apart is not None:
+            for name in ("w13_weight_packed", "w13_weight_scale", "w2_weight_packed", "w2_weight_scale"):
+                destination[prefix + name] = self.stacked(name)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):  # type: ignore[no-untyped-def]
+        self.own_storage()
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     @classmethod
     def from_dense(cls, experts: Experts) -> "PackedExperts":
@@ -382,7 +477,10 @@ class PackedExperts(nn.Module):
 
     def target(self, leaf: str, part: str) -> torch.Tensor:
         """The slice of a buffer that holds checkpoint weight ``leaf`` (w1/w2/w3) of every expert,
-        as its ``part`` ("packed" or "scale"): [E, out, ...]."""
+        as its ``part`` ("packed" or "scale"): [E, out, ...]. Stacked buffers only."""
+        if self._apart is not None:
+            raise ValueError("PackedExperts.target: the experts' matrices are held apart (use_matrices); "
+                             "call own_storage() before writing them")
         suffix = "weight_packed" if part == "packed" else "weight_scale"
         if leaf == "w2":
             return getattr(self, f"w2_{suffix}")
@@ -400,6 +498,9 @@ class PackedExperts(nn.Module):
         """As :meth:`Experts.forward`; a row's result in decode-sized batches does not depend on the
         other rows at all (bitwise: see ``tidal.ops.mxfp4_moe``)."""
         T, k = ids.shape
+        if self._apart is not None and h.device.type != "cpu":
+            raise ValueError(f"packed experts held apart in CPU memory (use_matrices) cannot run on {h.device}; "
+                             "call own_storage() and move the model")
         if T and use_triton(h) and self.local_experts is None:  # the GPU: the grouped kernel decodes E2M1 itself, no host sync
             return backends.routed_experts(h, ids, weights, (self.w13_weight_packed, self.w13_weight_scale),
                                            (self.w2_weight_packed, self.w2_weight_scale),
@@ -407,8 +508,7 @@ class PackedExperts(nn.Module):
         if T and self.local_experts is None:  # one C call on the CPU (the same bits as below)
             c = self.config
             situ_betas = (c.situ_beta, c.situ_linear_beta) if c.hidden_act == "situ" else None
-            fused = fused_decode.packed_experts(h, ids, weights, (self.w13_weight_packed, self.w13_weight_scale),
-                                                (self.w2_weight_packed, self.w2_weight_scale), situ_betas)
+            fused = fused_decode.packed_experts(h, ids, weights, *self.tables(), situ_betas)
             if fused is not None:
                 return fused
         out = torch.zeros(T, h.shape[-1], dtype=compute_dtype(h.dtype), device=h.device)
@@ -425,13 +525,14 @@ class PackedExperts(nn.Module):
             offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum_(0)
             expert_ids = torch.tensor(experts, dtype=torch.int64)
         token_of = order // k
+        w13, w2 = self.tables()
 
-        def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-            return mxfp4_moe.grouped_matmul(x, offsets, expert_ids, counts, experts, packed, scales)
+        def matmul(x: torch.Tensor, weight: ExpertTable) -> torch.Tensor:
+            return mxfp4_moe.grouped_matmul(x, offsets, expert_ids, counts, experts, weight)
 
         x = h.index_select(0, token_of)
-        gate, up = matmul(x, self.w13_weight_packed, self.w13_weight_scale).tensor_split(2, dim=1)
-        y = matmul(activate(self.config, gate, up), self.w2_weight_packed, self.w2_weight_scale)
+        gate, up = matmul(x, w13).tensor_split(2, dim=1)
+        y = matmul(activate(self.config, gate, up), w2)
         return Experts._add_weighted(out, token_of, y, weights.reshape(-1)[order])
 
 

@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from tidal.ops.mxfp4_table import ExpertTable
+
 logger = logging.getLogger("tidal.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
@@ -251,21 +253,24 @@ def grouped_gemm_for(x: torch.Tensor, *weights: torch.Tensor) -> Callable[..., t
 @cache
 def mxfp4_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
     """(grouped matmul, dequantise) straight from packed MXFP4 experts (see csrc/mxfp4_gemm.c), or
-    None where they are unavailable."""
+    None where they are unavailable. The matmul takes the experts as an
+    :class:`~tidal.ops.mxfp4_table.ExpertTable`, or stacked as (packed, scales)."""
     gemm_fn = _function("mxfp4_gemm", "mxfp4_grouped_gemm",
-                        [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, ctypes.c_int])
+                        [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int])
     deq_fn = _function("mxfp4_gemm", "mxfp4_dequantize", [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, ctypes.c_int])
     if gemm_fn is None or deq_fn is None:
         return None
     gemm_fn.restype = ctypes.c_int
 
-    def gemm(x: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor,
-             scales: torch.Tensor) -> torch.Tensor:
+    def gemm(x: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor | ExpertTable,
+             scales: torch.Tensor | None = None) -> torch.Tensor:
+        table = packed if isinstance(packed, ExpertTable) else ExpertTable.stacked(packed, scales)
         x = x.to(torch.float32).contiguous()
-        N = packed.shape[1]
+        N = table.rows
         out = torch.empty(x.shape[0], N, dtype=torch.float32)
-        if gemm_fn(_ptr(x), x.shape[1], _ptr(offsets), _ptr(experts), experts.shape[0], _ptr(packed), _ptr(scales),
-                   N, _ptr(out), torch.get_num_threads()) != 0:
+        if gemm_fn(_ptr(x), x.shape[1], _ptr(offsets), _ptr(experts), experts.shape[0], _ptr(table.packed),
+                   _ptr(table.scales), table.parts, table.packed_stride, table.scale_stride, N, _ptr(out),
+                   torch.get_num_threads()) != 0:
             raise MemoryError(f"mxfp4_grouped_gemm: no scratch memory for {x.shape[0]} x {x.shape[1]} rows")
         return out
 
@@ -282,8 +287,8 @@ def mxfp4_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Te
 def mxfp4_moe_kernel() -> Callable | None:
     """csrc/mxfp4_gemm.c's ``mxfp4_moe_tokens`` (a whole packed routed-expert sum), or None."""
     fn = _function("mxfp4_gemm", "mxfp4_moe_tokens",
-                   [_PTR, _I64, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR,
-                    ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, ctypes.c_int])
+                   [_PTR, _I64, ctypes.c_int, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64,
+                    _PTR, _PTR, _I64, _I64, ctypes.c_int, ctypes.c_float, ctypes.c_float, _PTR, ctypes.c_int])
     if fn is not None:
         fn.restype = ctypes.c_int
     return fn

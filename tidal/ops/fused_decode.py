@@ -19,6 +19,7 @@ import torch
 
 from tidal.ops import batch_invariant
 from tidal.ops.triton import use_triton
+from tidal.ops.mxfp4_table import ExpertTable
 from tidal.ops.cpu_kernels import (
     activation_kernel,
     attn_res_kernels,
@@ -136,27 +137,28 @@ def router(
 
 
 def packed_experts(
-    h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: tuple[torch.Tensor, torch.Tensor],
-    w2: tuple[torch.Tensor, torch.Tensor], situ_betas: tuple[float, float] | None,
+    h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: ExpertTable, w2: ExpertTable,
+    situ_betas: tuple[float, float] | None,
 ) -> torch.Tensor | None:
     """:meth:`tidal.model.moe.PackedExperts.forward` (all experts local) in one call: h [T, d], ids
-    [T, k], weights [T, k] -> float32 [T, d], the same bits as the grouped-GEMM path."""
-    (p13, s13), (p2, s2) = w13, w2
+    [T, k], weights [T, k] -> float32 [T, d], the same bits as the grouped-GEMM path. ``w13``: gate |
+    up (2I rows), ``w2``: the down projection (one part)."""
     if (not _applies(h) or not _small(ids.numel()) or not _rows_ok(h) or ids.shape != weights.shape or ids.dim() != 2
-            or any(t.device.type != "cpu" or not t.is_contiguous() for t in (p13, s13, p2, s2))):
+            or w2.parts != 1):
         return None
     fn = mxfp4_moe_kernel()
     if fn is None:
         return None
     T, k = ids.shape
-    E, two_i, _ = p13.shape
+    E, two_i = w13.num_experts, w13.rows
     ids = ids.to(torch.int64).contiguous()
     weights = weights.to(torch.float32).contiguous()
     out = torch.empty(T, h.shape[1], dtype=torch.float32)
     beta, linear_beta = situ_betas if situ_betas is not None else (1.0, 1.0)
     if fn(_ptr(h), h.stride(0), int(h.dtype == torch.bfloat16), T, h.shape[1], _ptr(ids), _ptr(weights), k, E,
-          _ptr(p13), _ptr(s13), two_i // 2, _ptr(p2), _ptr(s2), int(situ_betas is not None), beta, linear_beta,
-          _ptr(out), torch.get_num_threads()) != 0:
+          _ptr(w13.packed), _ptr(w13.scales), w13.parts, w13.packed_stride, w13.scale_stride, two_i // 2,
+          _ptr(w2.packed), _ptr(w2.scales), w2.packed_stride, w2.scale_stride, int(situ_betas is not None), beta,
+          linear_beta, _ptr(out), torch.get_num_threads()) != 0:
         raise ValueError(f"routed experts: expert ids outside [0, {E}) or no scratch memory for {T} tokens")
     return out
 

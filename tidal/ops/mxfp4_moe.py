@@ -2,8 +2,10 @@
 packed routed experts (``tidal.model.moe.PackedExperts``).
 
 Rows come sorted by expert: group g is rows offsets[g] .. offsets[g+1]-1, multiplied by expert
-experts[g]'s weight, given as packed [E, N, K/2] and scales [E, N, K/32] uint8 (``tidal.ops.mxfp``
-layout). Backends, all returning float32 [S, N]:
+experts[g]'s weight, given as an :class:`~tidal.ops.mxfp4_table.ExpertTable` (stacked experts, or
+each expert's matrices wherever the checkpoint's mapping holds them), or stacked as packed
+[E, N, K/2] and scales [E, N, K/32] uint8 (``tidal.ops.mxfp`` layout). Backends, all returning
+float32 [S, N]:
 
 - the C kernel (``csrc/mxfp4_gemm.c``) at every group size: decodes panels of weight rows to float32
   in L1 and runs the group's rows under them in register tiles; each row bitwise independent of the
@@ -19,18 +21,22 @@ import torch.nn.functional as F
 
 from tidal.ops.cpu_kernels import mxfp4_kernels
 from tidal.ops.mxfp import dequantize_mxfp4
+from tidal.ops.mxfp4_table import ExpertTable
 
 
-def _applies(x: torch.Tensor, packed: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and packed.device.type == "cpu" and packed.is_contiguous()
+def _applies(x: torch.Tensor, weight: torch.Tensor | ExpertTable) -> bool:
+    if isinstance(weight, ExpertTable):
+        return x.device.type == "cpu"
+    return x.device.type == "cpu" and weight.device.type == "cpu" and weight.is_contiguous()
 
 
 def grouped_matmul(
     x: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor, counts: list[int], expert_list: list[int],
-    packed: torch.Tensor, scales: torch.Tensor,
+    packed: torch.Tensor | ExpertTable, scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [S, K] (rows sorted by expert; ``counts``/``expert_list`` are offsets/experts as lists) ->
-    float32 [S, N]. offsets int64 [G+1] and experts int64 [G] on the CPU."""
+    float32 [S, N]. offsets int64 [G+1] and experts int64 [G] on the CPU. ``packed``: an
+    ExpertTable, or the stacked codes with their ``scales``."""
     kernels = mxfp4_kernels() if _applies(x, packed) else None
     if kernels is None:
         return grouped_matmul_torch(x, counts, expert_list, packed, scales)
@@ -38,10 +44,12 @@ def grouped_matmul(
 
 
 def grouped_matmul_torch(
-    x: torch.Tensor, counts: list[int], expert_list: list[int], packed: torch.Tensor, scales: torch.Tensor
+    x: torch.Tensor, counts: list[int], expert_list: list[int], packed: torch.Tensor | ExpertTable,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch form: each active expert dequantised to float32 (exact) and multiplied by its rows."""
     x = x.to(torch.float32)
-    parts = [F.linear(r, dequantize_mxfp4(packed[e], scales[e], torch.float32))
-             for e, r in zip(expert_list, x.split(counts))]
-    return torch.cat(parts) if parts else x.new_zeros(0, packed.shape[1])
+    expert = packed.expert if isinstance(packed, ExpertTable) else lambda e: (packed[e], scales[e])
+    parts = [F.linear(r, dequantize_mxfp4(*expert(e), torch.float32)) for e, r in zip(expert_list, x.split(counts))]
+    rows = packed.rows if isinstance(packed, ExpertTable) else packed.shape[1]
+    return torch.cat(parts) if parts else x.new_zeros(0, rows)

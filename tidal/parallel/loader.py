@@ -15,8 +15,8 @@ import torch
 
 from tidal.model.checkpoint import (
     TensorSpec, _check, _check_scales, _Checkpoint, _filled, _install, _layout, _materialise_packed, _open,
-    _one_thread, _Source, _stacked_experts, expert_slot, map_experts, read_config, resolve_quantization,
-    read_early, without_gc,
+    _one_thread, _packed_experts, _Source, _stacked_experts, check_mapped_scales, expert_slot, map_experts,
+    map_packed_experts, read_config, resolve_quantization, read_early, without_gc,
 )
 from tidal.model.kimi import KimiForCausalLM
 from tidal.model.mapped import coalesce
@@ -74,18 +74,22 @@ def load_rank_model(
         read_early(ckpt, (_extent(ckpt, name, None if whole else where) for name, where, _, whole in plan))
         with torch.device("meta"):
             model = build_rank_model(config, place, comm, packed=keep_packed).to_dtype(dtype)
-        if keep_packed:
-            _materialise_packed(model, device)
-        targets = model.state_dict(keep_vars=True)
         views: dict[str, torch.Tensor] = {}  # this rank's expert matrices mapped from the file
         slots: dict[str, list[int]] = {}
-        if use_mmap and device.type == "cpu" and not keep_packed:
-            def local(param: str) -> tuple[int, int] | None:
-                return model.get_submodule(param.rpartition(".")[0]).local_experts
 
-            parts = {name: where for name, where in wheres.items()
-                     if layout[name][1].expert is not None and where is not None
-                     and (where[1], where[2]) != (0, layout[name][0].shape[where[0]])}
+        def local(param: str) -> tuple[int, int] | None:
+            return model.get_submodule(param.rpartition(".")[0]).local_experts
+
+        parts = {name: where for name, where in wheres.items()
+                 if layout[name][1].expert is not None and where is not None
+                 and (where[1], where[2]) != (0, layout[name][0].shape[where[0]])}
+        mapped = use_mmap and device.type == "cpu"
+        targets = model.state_dict(keep_vars=True)  # before any module holds experts apart (its state_dict copies)
+        if mapped and keep_packed:  # each local expert's codes and scales where the file holds them
+            views = map_packed_experts(ckpt, model, _packed_experts(layout, local), parts)
+        if keep_packed:
+            _materialise_packed(model, device)
+        if mapped and not keep_packed:
             slots = map_experts(ckpt, targets, filled, views, _stacked_experts(layout, local), parts)
 
         def reads() -> Iterator[tuple[str, int, Callable[[], torch.Tensor]]]:
@@ -115,6 +119,7 @@ def load_rank_model(
                 nbytes += sum(t.numel() * t.element_size() for t in tensor)
                 if progress is not None:
                     progress(nbytes)
+                check_mapped_scales(ckpt, layout, name, tensor)
                 continue
             spec, src = layout[name]
             module_name, _, leaf = src.param.rpartition(".")

@@ -172,12 +172,12 @@ def _expert_shard(full: nn.Module, local: nn.Module, leaf: str, place: RankPlace
         return w.narrow(dim + 1, a, b - a)
     part = "packed" if leaf.endswith("packed") else "scale"
     if leaf.startswith("w2"):
-        t = full.target("w2", part)[first : first + count]
+        t = full.weights("w2", part)[first : first + count]
         _, a, b = expert_slice("w2", t.shape[2], place)
         return t[:, :, a:b]
     halves = []
     for w in ("w1", "w3"):
-        t = full.target(w, part)[first : first + count]
+        t = full.weights(w, part)[first : first + count]
         _, a, b = expert_slice(w, t.shape[1], place)
         halves.append(t[:, a:b])
     return torch.cat(halves, dim=1)

@@ -1,8 +1,13 @@
 /* MXFP4 weights straight from their packed form: the C kernels behind tidal.ops.mxfp4_moe.
  *
- * Weights are compressed-tensors mxfp4-pack-quantized, stacked per expert: packed [E, N, K/2] uint8
- * (input column 2j in the low nibble of byte j, 2j+1 in the high nibble), scales [E, N, K/32] uint8
- * (E8M0: 2^(s-127), s = 0 the subnormal 2^-127; 255 (NaN) is refused by the loader). K % 32 == 0.
+ * Weights are compressed-tensors mxfp4-pack-quantized: each weight row is K/2 packed bytes (input
+ * column 2j in the low nibble of byte j, 2j+1 in the high nibble) and K/32 scale bytes (E8M0:
+ * 2^(s-127), s = 0 the subnormal 2^-127; 255 (NaN) is refused by the loader). K % 32 == 0.
+ * Expert e's N output rows are P parts of N/P rows (an expert_rows table): part p's row r is at
+ * packed[e * P + p] + r * packed_stride and its scales at scales[e * P + p] + r * scale_stride (the
+ * tables hold addresses). Stacked experts [E, N, K/2] are P = 1 at stride K/2; gate and up kept
+ * where the checkpoint's mapping holds them (w1 and w3 apart, any order, any file) are P = 2, and a
+ * tensor-parallel rank's columns of a row are a stride longer than the row.
  *
  * mxfp4_grouped_gemm: group g holds rows offsets[g] .. offsets[g+1]-1 of x [S, K] (float32);
  * out[t] = x[t] @ W[experts[g]]^T, out [S, N] float32, at every group size (one decode row to a
@@ -39,6 +44,12 @@
 
 #include "bf16_scalar.h"
 #include "gated_act.h"
+
+/* Where the experts' weight rows are (see the top of the file). */
+typedef struct {
+    const int64_t *packed, *scales;  /* [E * parts] addresses */
+    int64_t parts, packed_stride, scale_stride;
+} expert_rows;
 
 static inline float e8m0(uint8_t s) {
     uint32_t bits = s == 0 ? (1u << 22) : ((uint32_t)s << 23);
@@ -115,8 +126,9 @@ static void permute_rows(const float *x, int64_t S, int64_t K, float *out) {
  * the tiles' (one 8-lane accumulator over k in steps of 8, lanes_sum; K % 32 == 0 leaves no tail)
  * and the values are decode_block's, so the bits equal the panel path's. */
 static inline __attribute__((always_inline)) void row_tile_packed(const int C, const float *x, int64_t K,
-                                                                  const uint8_t *w, const uint8_t *s, float *out) {
-    const int64_t row_bytes = K / 2, row_scales = K / 32;
+                                                                  const uint8_t *w, int64_t ws, const uint8_t *s,
+                                                                  int64_t ss, float *out) {
+    const int64_t row_scales = K / 32;
     __m256 a[MAX_C];
     for (int c = 0; c < C; c++) a[c] = _mm256_setzero_ps();
     for (int64_t b = 0; b < row_scales; b++) {
@@ -124,17 +136,17 @@ static inline __attribute__((always_inline)) void row_tile_packed(const int C, c
 #pragma GCC unroll 8
         for (int c = 0; c < C; c++) {
             __m256 v[4];
-            decode_block8(w + c * row_bytes + b * 16, s[c * row_scales + b], v);
+            decode_block8(w + c * ws + b * 16, s[c * ss + b], v);
             for (int i = 0; i < 4; i++) a[c] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xb + 8 * i), a[c]);
         }
     }
     for (int c = 0; c < C; c++) out[c] = lanes_sum(a[c]);
 }
 
-/* weight rows [j, j + C) of one expert, each C its own specialised code */
-#define CASE(C) case C: row_tile_packed(C, x, K, we + j * (K / 2), se + j * (K / 32), out); break;
-static void row_times_packed(const float *x, int64_t K, const uint8_t *we, const uint8_t *se, int64_t j, int C,
-                             float *out) {
+/* weight rows [j, j + C) of one expert's part (row strides ws, ss bytes), each C its own specialised code */
+#define CASE(C) case C: row_tile_packed(C, x, K, we + j * ws, ws, se + j * ss, ss, out); break;
+static void row_times_packed(const float *x, int64_t K, const uint8_t *we, int64_t ws, const uint8_t *se,
+                             int64_t ss, int64_t j, int C, float *out) {
     switch (C) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) }
 }
 #undef CASE
@@ -142,22 +154,24 @@ static void row_times_packed(const float *x, int64_t K, const uint8_t *we, const
 #define decode_block decode_block_in_order
 #endif
 
-/* weight rows [j, j + C) of one expert as float32 rows of K into panel */
-static void decode_rows(const uint8_t *we, const uint8_t *se, int64_t K, int64_t j, int C, float *panel) {
-    const int64_t row_bytes = K / 2, row_scales = K / 32;
+/* weight rows [j, j + C) of one expert's part (row strides ws, ss bytes) as float32 rows of K into panel */
+static void decode_rows(const uint8_t *we, int64_t ws, const uint8_t *se, int64_t ss, int64_t K, int64_t j, int C,
+                        float *panel) {
+    const int64_t row_scales = K / 32;
     for (int c = 0; c < C; c++)
         for (int64_t b = 0; b < row_scales; b++)
-            decode_block(we + (j + c) * row_bytes + b * 16, se[(j + c) * row_scales + b], panel + c * K + b * 32);
+            decode_block(we + (j + c) * ws + b * 16, se[(j + c) * ss + b], panel + c * K + b * 32);
 }
 
 /* Weight rows per work item (a multiple of every tile width): a decode step (as few as top-k
- * groups) still spreads over the threads. */
+ * groups) still spreads over the threads. An item never spans two parts. */
 #define ROW_CHUNK 48
 
-int mxfp4_grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, const int64_t *experts, int64_t G,
-                       const uint8_t *packed, const uint8_t *scales, int64_t N, float *out, int num_threads) {
-    const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;
-    const int64_t row_bytes = K / 2, row_scales = K / 32;
+static int grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, const int64_t *experts, int64_t G,
+                        const expert_rows *wt, int64_t N, float *out, int num_threads) {
+    const int64_t P = wt->parts, part_rows = N / P;
+    const int64_t chunks = (part_rows + ROW_CHUNK - 1) / ROW_CHUNK;
+    const int64_t ws = wt->packed_stride, ss = wt->scale_stride;
 #ifdef PERMUTED_COLUMNS
     float *x_perm = malloc(sizeof(float) * (size_t)(offsets[G] * K + 1));
     if (x_perm == NULL) return -1;
@@ -171,29 +185,30 @@ int mxfp4_grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, con
     {
         float *panel = malloc(sizeof(float) * MAX_C * K);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < G * chunks; item++) {
-            const int64_t g = item / chunks, c = item % chunks;
+        for (int64_t item = 0; item < G * P * chunks; item++) {
+            const int64_t g = item / (P * chunks), p = item / chunks % P, c = item % chunks;
             const int64_t t0 = offsets[g], t1 = offsets[g + 1];
             if (panel == NULL) {
 #pragma omp atomic write
                 status = -1;
             }
             if (t0 == t1 || panel == NULL) continue;
-            const uint8_t *we = packed + experts[g] * N * row_bytes;
-            const uint8_t *se = scales + experts[g] * N * row_scales;
+            const uint8_t *we = (const uint8_t *)(intptr_t)wt->packed[experts[g] * P + p];
+            const uint8_t *se = (const uint8_t *)(intptr_t)wt->scales[experts[g] * P + p];
+            float *part_out = out + p * part_rows;  /* the part's first output column */
             const int64_t rows = t1 - t0;
             const int cols = COLS_FOR_ROWS[rows < MAX_R ? rows : MAX_R];
-            const int64_t j1 = (c + 1) * ROW_CHUNK < N ? (c + 1) * ROW_CHUNK : N;
+            const int64_t j1 = (c + 1) * ROW_CHUNK < part_rows ? (c + 1) * ROW_CHUNK : part_rows;
             for (int64_t j = c * ROW_CHUNK; j < j1; j += cols) {
                 const int C = j1 - j < cols ? (int)(j1 - j) : cols;
 #ifdef TILE_AVX2
                 if (rows == 1) {  /* a decode row: nothing to reuse a decoded panel for */
-                    row_times_packed(x + t0 * K, K, we, se, j, C, out + t0 * N + j);
+                    row_times_packed(x + t0 * K, K, we, ws, se, ss, j, C, part_out + t0 * N + j);
                     continue;
                 }
 #endif
-                decode_rows(we, se, K, j, C, panel);
-                rows_times_panel(x, K, t0, t1, panel, K, j, j + C, out, N);
+                decode_rows(we, ws, se, ss, K, j, C, panel);
+                rows_times_panel(x, K, t0, t1, panel, K, j, j + C, part_out, N);
             }
         }
         free(panel);
@@ -202,6 +217,16 @@ int mxfp4_grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, con
     free(x_perm);
 #endif
     return status;
+}
+
+/* The grouped GEMM over experts given by an expert_rows table (see the top of the file); returns
+ * 0, -1 when scratch memory cannot be allocated, -2 when N is not a multiple of parts. */
+int mxfp4_grouped_gemm(const float *x, int64_t K, const int64_t *offsets, const int64_t *experts, int64_t G,
+                       const int64_t *packed, const int64_t *scales, int64_t parts, int64_t packed_stride,
+                       int64_t scale_stride, int64_t N, float *out, int num_threads) {
+    if (parts < 1 || N % parts) return -2;
+    const expert_rows wt = {packed, scales, parts, packed_stride, scale_stride};
+    return grouped_gemm(x, K, offsets, experts, G, &wt, N, out, num_threads);
 }
 
 void mxfp4_dequantize(const int64_t *experts, int64_t G, const uint8_t *packed, const uint8_t *scales, int64_t N,
@@ -216,16 +241,20 @@ void mxfp4_dequantize(const int64_t *experts, int64_t G, const uint8_t *packed, 
 }
 
 /* The routed experts of T tokens: token t's rows h[t] (d values at row stride h_stride, float32 or
- * bfloat16) go to experts ids[t, :k] (int64 in [0, E)) with weights w[t, :k] (float32); w13
- * [E, 2I, d/2] packed (+ scales [E, 2I, d/32]) gives gate | up, w2 [E, d, I/2] (+ scales) the
- * down projection; out[t] (float32 [T, d], zeroed here) = sum over t's experts in ascending order
+ * bfloat16) go to experts ids[t, :k] (int64 in [0, E)) with weights w[t, :k] (float32); the w13
+ * table (2I rows of d inputs, 1 or 2 parts) gives gate | up, the w2 table (d rows of I inputs, one
+ * part) the down projection; out[t] (float32 [T, d], zeroed here) = sum over t's experts in ascending order
  * of w * expert(h[t]). The slots are sorted by expert (stable), so the products, the activation
  * (gated_act.h) and the sums are those of the torch form bit for bit: the grouped GEMM's rows do
  * not depend on the groups. Returns 0, or -1 when scratch memory cannot be allocated. */
 int mxfp4_moe_tokens(const void *h, int64_t h_stride, int h_bf16, int64_t T, int64_t d, const int64_t *ids,
-                     const float *w, int64_t k, int64_t E, const uint8_t *w13, const uint8_t *w13_scales, int64_t I,
-                     const uint8_t *w2, const uint8_t *w2_scales, int act_kind, float beta, float linear_beta,
-                     float *out, int num_threads) {
+                     const float *w, int64_t k, int64_t E, const int64_t *w13, const int64_t *w13_scales,
+                     int64_t w13_parts, int64_t w13_stride, int64_t w13_scale_stride, int64_t I, const int64_t *w2,
+                     const int64_t *w2_scales, int64_t w2_stride, int64_t w2_scale_stride, int act_kind, float beta,
+                     float linear_beta, float *out, int num_threads) {
+    if (w13_parts < 1 || (2 * I) % w13_parts) return -1;
+    const expert_rows gate_up = {w13, w13_scales, w13_parts, w13_stride, w13_scale_stride};
+    const expert_rows down = {w2, w2_scales, 1, w2_stride, w2_scale_stride};
     const int64_t S = T * k, es = h_bf16 ? 2 : 4;
     int64_t *count = calloc((size_t)E + 1, sizeof(int64_t)), *slot = malloc(sizeof(int64_t) * (size_t)S);
     int64_t *offsets = malloc(sizeof(int64_t) * (size_t)(E + 1)), *experts = malloc(sizeof(int64_t) * (size_t)E);
@@ -250,10 +279,10 @@ int mxfp4_moe_tokens(const void *h, int64_t h_stride, int h_bf16, int64_t T, int
         const char *row = (const char *)h + (slot[s] / k) * h_stride * es;
         for (int64_t c = 0; c < d; c++) x[s * d + c] = load_value(row, c, h_bf16);
     }
-    if (mxfp4_grouped_gemm(x, d, offsets, experts, G, w13, w13_scales, 2 * I, gu, num_threads) != 0) goto done;
+    if (grouped_gemm(x, d, offsets, experts, G, &gate_up, 2 * I, gu, num_threads) != 0) goto done;
     for (int64_t s = 0; s < S; s++)
         gated_act_row(gu + s * 2 * I, gu + s * 2 * I + I, act + s * I, I, act_kind, beta, linear_beta);
-    if (mxfp4_grouped_gemm(act, I, offsets, experts, G, w2, w2_scales, d, y, num_threads) != 0) goto done;
+    if (grouped_gemm(act, I, offsets, experts, G, &down, d, y, num_threads) != 0) goto done;
     memset(out, 0, sizeof(float) * (size_t)(T * d));
     for (int64_t s = 0; s < S; s++) {
         float *o = out + (slot[s] / k) * d;
