@@ -218,11 +218,29 @@ def test_a_request_pauses_doubling_after_rejected_chains():
     assert backoff.allows("a")
 
 
-def test_shadow_drafts_keep_to_a_few_percent_of_the_plain_steps():
+def test_a_few_good_shadow_drafts_after_many_rejected_chains_turn_chains_back_on():
+    """The acceptance that decides is that of the last few samples: a drafter wrong at the start
+    of a text (ten chains committing their one token at 2.5x a plain step's time) and right after
+    (two shadow drafts of which 7 tokens would have been accepted) speculates again."""
+    policy = CostPolicy(skip_first=False)
+    for _ in range(10):
+        policy.record(1, True, 0.025, 1)
+    for _ in range(3):
+        policy.record(1, False, 0.010, 1)
+    assert policy.winner(1) is False
+    policy.record_shadow(1, 8)
+    policy.record_shadow(1, 8)
+    assert policy.winner(1) is True
+
+
+def test_shadow_drafts_come_ever_rarer_in_a_plain_stretch_down_to_a_few_percent():
     assert shadow_interval(1, 0.0, 0.0) == SHADOW_EVERY  # nothing measured yet
-    assert shadow_interval(32, 0.001, 0.030) == 32  # one a sequence
-    # a draft costing 60% of a plain step (one sequence): as rarely as keeps it to SHADOW_OVERHEAD
-    n = shadow_interval(1, 0.006, 0.010)
+    assert shadow_interval(32, 0.001, 0.030, nth=5) == 32  # one a sequence, as cheap as that
+    # a draft costing 60% of a plain step (one sequence): 4, 8, 16 steps apart, then as rarely as
+    # keeps it to SHADOW_OVERHEAD
+    gaps = [shadow_interval(1, 0.006, 0.010, nth) for nth in range(6)]
+    assert gaps[:3] == [SHADOW_EVERY, 2 * SHADOW_EVERY, 4 * SHADOW_EVERY] and gaps[3] == gaps[5], gaps
+    n = gaps[-1]
     assert 0.006 / (n * 0.010) <= SHADOW_OVERHEAD < 0.006 / ((n - 2) * 0.010), n
 
 

@@ -38,11 +38,13 @@ from tidal.spec.policy import CostPolicy, RequestBackoff
 from tidal.spec.rollback import ChainMemory
 
 
-# While the policy has steps decode plainly, one request drafts without verifying every this many
-# steps, or every as many steps as the step has decoding sequences where that is more, or as
-# rarely as keeps the drafts' time to SHADOW_OVERHEAD of the plain steps' (a shadow draft: its
-# acceptance keeps the policy's estimate of the text current at a small cost; drafting for one
-# request can cost most of a plain step where the batch is small).
+# While the policy has steps decode plainly, one request drafts without verifying (a shadow draft:
+# its acceptance keeps the policy's estimate of the text current at the cost of a draft): after
+# SHADOW_EVERY plain steps, or as many as the step has decoding sequences where that is more, the
+# gap doubling with each shadow of a plain stretch up to as rarely as keeps the drafts' time to
+# SHADOW_OVERHEAD of the plain steps' (drafting for one request costs about half a plain step at
+# one sequence): a drafter that gets a stretch of text wrong is checked again soon, one whose
+# drafts never pay costs a few percent.
 SHADOW_EVERY = 4
 SHADOW_OVERHEAD = 0.03
 
@@ -72,12 +74,13 @@ def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
     raise ValueError(f"speculative_algorithm {config.algorithm} is not implemented")
 
 
-def shadow_interval(num_decodes: int, draft_seconds: float, step_seconds: float) -> int:
-    """Plain steps from one shadow draft to the next: SHADOW_EVERY, at least one a sequence, and
-    as many as keep a draft of ``draft_seconds`` within SHADOW_OVERHEAD of steps of
-    ``step_seconds`` (0: not measured yet)."""
+def shadow_interval(num_decodes: int, draft_seconds: float, step_seconds: float, nth: int = 0) -> int:
+    """Plain steps from a plain stretch's ``nth`` shadow draft (0: its first) to the next:
+    SHADOW_EVERY or one a sequence, doubled ``nth`` times, at most as many as keep a draft of
+    ``draft_seconds`` within SHADOW_OVERHEAD of steps of ``step_seconds`` (0: not measured yet)."""
+    least = max(SHADOW_EVERY, num_decodes)
     rare = math.ceil(draft_seconds / (SHADOW_OVERHEAD * step_seconds)) if step_seconds > 0 else 0
-    return max(SHADOW_EVERY, num_decodes, rare)
+    return max(least, min(least << min(nth, 20), rare))
 
 
 def decoding_count(batch) -> int:
@@ -106,6 +109,7 @@ class SpecDecoder:
         self._next_shadow = SHADOW_EVERY
         self._shadow_seconds = 0.0  # the last shadow draft's time
         self._plain_seconds = 0.0  # the last decode-only plain step's time
+        self._stretch_shadows = 0  # shadow drafts since the policy last chose chains
         # which requests draft in a speculating step (pauses after mostly rejected chains)
         self.backoff = RequestBackoff(config.min_accept_rate)
 
@@ -120,6 +124,7 @@ class SpecDecoder:
             if not self.policy.speculate(decoding_count(batch)):
                 self._shadow(batch)
                 return
+            self._stretch_shadows = 0
         asks, where = [], []
         for i, (req, n, c) in enumerate(zip(batch.requests, batch.query_lens, batch.cached_lens)):
             if budget <= 0:
@@ -160,7 +165,8 @@ class SpecDecoder:
         if self._plain_steps < self._next_shadow:
             return
         self._next_shadow = self._plain_steps + shadow_interval(decoding_count(batch), self._shadow_seconds,
-                                                                self._plain_seconds)
+                                                                self._plain_seconds, self._stretch_shadows)
+        self._stretch_shadows += 1
         cands = [r for r, n, c in zip(batch.requests, batch.query_lens, batch.cached_lens)
                  if n == 1 and c == r.num_tokens - 1 and r.constraint is None and r.request_id not in self._shadows]
         k = self.config.num_draft_tokens

@@ -71,7 +71,9 @@ def bucket_of(num_decodes: int) -> int:
 class CostPolicy:
     window: int = 8  # recent steps of each kind kept per bucket
     min_samples: int = 3  # of each kind in a bucket before the costs decide
-    accept_window: int = 32  # recent acceptance samples (speculative steps and shadow drafts)
+    # recent acceptance samples (speculative steps and shadow drafts): few, so that a stretch of text
+    # the drafter gets wrong (or right) changes the choice within a few samples
+    accept_window: int = 8
     probe_every: int = 16  # steps of a bucket between runs of the losing kind, at least
     probe_overhead: float = 0.01  # what probing may cost, as a fraction of the bucket's time
     max_probe_every: int = 1024
