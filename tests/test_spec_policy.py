@@ -158,7 +158,8 @@ def test_a_kinds_first_step_is_not_kept():
     assert feed(policy, 1, {True: 0.5, False: 0.01}, 1) == [True]  # a first chain step, slow: dropped
     assert policy.speculate(1) is True  # still unmeasured
     policy.record(1, True, 0.003, 1)
-    assert len(policy.samples[(1, True)]) == 1 and policy.seconds_per_token(1, True) == 0.003
+    assert len(policy.samples[(1, True)]) == 1
+    assert policy.seconds_per_token(1, True) == pytest.approx(0.003 / (1 + policy.step_overhead))
 
 
 def test_a_kinds_first_step_is_dropped_once_not_per_bucket():
@@ -216,6 +217,20 @@ def test_a_request_pauses_doubling_after_rejected_chains():
     backoff.record("a", 7, 0)
     backoff.forget("a")
     assert backoff.allows("a")
+
+
+def test_the_tail_of_a_batch_does_not_make_chains_look_cheaper():
+    """Steps cost a fixed part plus a part per sequence (here 8 ms + 0.75 ms a sequence), and a
+    bucket holds steps of several sizes: plain steps of 8, 5 and 5 sequences (a batch whose
+    requests finish) against chain steps of 8 committing 2 tokens a sequence in 32 ms. Per token
+    the chains cost 2.0 ms against a plain 1.75 ms at 8 sequences: plain decoding wins (counted per
+    sequence alone, the small plain steps' 2.35 ms a token made chains win)."""
+    policy = CostPolicy(skip_first=False)
+    for _ in range(3):
+        policy.record(8, True, 0.032, 16)
+    for n in (8, 5, 5):
+        policy.record(n, False, 0.008 + 0.00075 * n, n)
+    assert policy.winner(8) is False
 
 
 def test_a_few_good_shadow_drafts_after_many_rejected_chains_turn_chains_back_on():

@@ -11,9 +11,12 @@ length from a profiled throughput curve.
 
 Here the engine measures, and splits the cost of a token with chains into what the hardware
 decides and what the text decides. Per batch-size bucket (the step's decoding sequences, rounded
-up to a power of two) it keeps the wall time per decoding sequence of the last ``window`` steps
-that speculated and of the last ``window`` that did not (steps with prefill work are not
-counted: their cost is the prefill's): their ratio is what a chain costs against a decode on
+up to a power of two) it keeps the wall time of the last ``window`` steps that speculated and
+of the last ``window`` that did not, each over its decoding sequences plus ``step_overhead`` (a
+step's fixed cost in sequences' worth: a bucket holds steps of different sizes, e.g. the tail of
+a batch whose requests finish one by one, and a step of 5 sequences costs much more than 5/8 of
+one of 8; steps with prefill work are not counted: their cost is the prefill's): their ratio is
+what a chain costs against a decode on
 this machine at this batch size, drafting included, and barely depends on the text (the
 policy's first step of each kind is not kept: it pays first-use costs). It also keeps the tokens
 committed per decoding sequence of the last ``accept_window`` speculative samples of the bucket:
@@ -119,7 +122,7 @@ class CostPolicy:
         if self.skip_first and speculated not in self._warm:
             self._warm.add(speculated)
             return
-        self._of(b, speculated).append((seconds, num_decodes))
+        self._of(b, speculated).append((seconds, num_decodes + self.step_overhead))
 
     def min_confidence(self, num_decodes: int) -> float:
         """The least chance of being reached (the drafter's confidence, multiplied along the
@@ -140,9 +143,10 @@ class CostPolicy:
         return per_unit(got) if got else 1.0
 
     def seconds_per_token(self, bucket: int, speculated: bool) -> float | None:
-        """What a token costs in ``bucket`` with chains or without (None: not measured). The kind
-        that lost last time is judged on its last ``min_samples`` steps only (older ones describe
-        another load)."""
+        """What a token costs in ``bucket`` with chains or without, in seconds per sequence plus
+        ``step_overhead`` (the same scale for both kinds; None: not measured). The kind that lost
+        last time is judged on its last ``min_samples`` steps only (older ones describe another
+        load)."""
         got = self._of(bucket, speculated)
         if not got:
             return None
