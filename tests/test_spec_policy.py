@@ -233,6 +233,31 @@ def test_the_tail_of_a_batch_does_not_make_chains_look_cheaper():
     assert policy.winner(8) is False
 
 
+def test_the_loser_is_judged_on_its_whole_window_not_its_last_probes():
+    """Three slow plain probes (18 ms against the 12 ms of five plain steps before) while chains win:
+    plain decoding's cost is that of all eight, so a few noisy probes do not keep chains on."""
+    policy = CostPolicy(skip_first=False)
+    for _ in range(3):
+        policy.record(8, True, 0.020, 16)
+    for _ in range(5):
+        policy.record(8, False, 0.012, 8)
+    assert policy.winner(8) is True
+    for _ in range(3):
+        policy.record(8, False, 0.018, 8)
+    want = (5 * 0.012 + 3 * 0.018) / (8 * (8 + policy.step_overhead))
+    assert policy.seconds_per_token(8, False) == pytest.approx(want)
+
+
+def test_a_close_race_is_probed_every_few_steps():
+    """Chains 5% cheaper per token: a plain probe costs little, and the race is re-checked every
+    probe_every (4) steps."""
+    policy = CostPolicy(skip_first=False)
+    for _ in range(3):
+        policy.record(8, True, 0.0190, 16)
+        policy.record(8, False, 0.0100, 8)
+    assert policy.winner(8) is True and policy.probe_interval(8) == policy.probe_every == 4
+
+
 def test_a_few_good_shadow_drafts_after_many_rejected_chains_turn_chains_back_on():
     """The acceptance that decides is that of the last few samples: a drafter wrong at the start
     of a text (ten chains committing their one token at 2.5x a plain step's time) and right after

@@ -41,8 +41,10 @@ when the step is full). The choice per bucket (above) still decides whether draf
 A bucket measures both kinds of step first, alternating, ``min_samples`` each, except that
 speculation is not tried first in a bucket above one where it lost (a verified chain only gets
 more expensive relative to a decode as the batch grows). After that the losing kind is run
-again now and then so its time stays current (the loser is judged on its last ``min_samples``
-steps): as rarely as what one probe costs beyond a step of the winner, over ``probe_overhead``
+again now and then so its time stays current (each kind is judged on its last ``window``
+steps: a loser judged on its last few probes alone read the noise of those few steps, and a
+plain step that happened to be slow kept chains on at 8 sequences where they lost by 25%): as
+rarely as what one probe costs beyond a step of the winner, over ``probe_overhead``
 of such a step (:meth:`CostPolicy.probe_interval`; at least ``probe_every``, at most
 ``max_probe_every`` steps of the bucket), so that what probing costs stays near
 ``probe_overhead`` of the bucket's time however far apart the two are.
@@ -77,7 +79,7 @@ class CostPolicy:
     # recent acceptance samples (speculative steps and shadow drafts): few, so that a stretch of text
     # the drafter gets wrong (or right) changes the choice within a few samples
     accept_window: int = 8
-    probe_every: int = 16  # steps of a bucket between runs of the losing kind, at least
+    probe_every: int = 4  # steps of a bucket between runs of the losing kind, at least (a close race: often)
     probe_overhead: float = 0.01  # what probing may cost, as a fraction of the bucket's time
     max_probe_every: int = 1024
     skip_first: bool = True  # the first step of each kind is not kept (first-use costs)
@@ -144,14 +146,11 @@ class CostPolicy:
 
     def seconds_per_token(self, bucket: int, speculated: bool) -> float | None:
         """What a token costs in ``bucket`` with chains or without, in seconds per sequence plus
-        ``step_overhead`` (the same scale for both kinds; None: not measured). The kind that lost
-        last time is judged on its last ``min_samples`` steps only (older ones describe another
-        load)."""
+        ``step_overhead`` (the same scale for both kinds; None: not measured), over the kind's
+        last ``window`` steps."""
         got = self._of(bucket, speculated)
         if not got:
             return None
-        if self._last.get(bucket, speculated) != speculated:
-            got = list(got)[-self.min_samples :]
         return per_unit(got) / (self.tokens_per_sequence(bucket) if speculated else 1.0)
 
     def winner(self, bucket: int) -> bool | None:
@@ -192,7 +191,8 @@ class CostPolicy:
             chains_lost = self._last.get(bucket) is False
         tokens = max(1.0, self.tokens_per_sequence(bucket))
         extra = (loss - 1.0) * (tokens if chains_lost else 1.0 / tokens)
-        return int(min(self.max_probe_every, max(self.probe_every, extra / self.probe_overhead)))
+        # (+1e-9: sums of equal samples in another order must not drop a whole step)
+        return int(min(self.max_probe_every, max(self.probe_every, extra / self.probe_overhead + 1e-9)))
 
     def _loss_below(self, bucket: int) -> float | None:
         """How much speculation lost by in the nearest smaller bucket where it lost (None: none)."""
