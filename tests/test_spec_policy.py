@@ -219,15 +219,21 @@ def test_a_request_pauses_doubling_after_rejected_chains():
     assert backoff.allows("a")
 
 
+def recorded(policy: CostPolicy, *steps: tuple[int, bool, float, int, int]) -> CostPolicy:
+    """``policy`` told of (sequences, speculated, seconds, tokens, how many such steps) in turn."""
+    for num_decodes, speculated, seconds, tokens, times in steps:
+        for _ in range(times):
+            policy.record(num_decodes, speculated, seconds, tokens)
+    return policy
+
+
 def test_the_tail_of_a_batch_does_not_make_chains_look_cheaper():
     """Steps cost a fixed part plus a part per sequence (here 8 ms + 0.75 ms a sequence), and a
     bucket holds steps of several sizes: plain steps of 8, 5 and 5 sequences (a batch whose
     requests finish) against chain steps of 8 committing 2 tokens a sequence in 32 ms. Per token
     the chains cost 2.0 ms against a plain 1.75 ms at 8 sequences: plain decoding wins (counted per
     sequence alone, the small plain steps' 2.35 ms a token made chains win)."""
-    policy = CostPolicy(skip_first=False)
-    for _ in range(3):
-        policy.record(8, True, 0.032, 16)
+    policy = recorded(CostPolicy(skip_first=False), (8, True, 0.032, 16, 3))
     for n in (8, 5, 5):
         policy.record(n, False, 0.008 + 0.00075 * n, n)
     assert policy.winner(8) is False
@@ -236,14 +242,9 @@ def test_the_tail_of_a_batch_does_not_make_chains_look_cheaper():
 def test_the_loser_is_judged_on_its_whole_window_not_its_last_probes():
     """Three slow plain probes (18 ms against the 12 ms of five plain steps before) while chains win:
     plain decoding's cost is that of all eight, so a few noisy probes do not keep chains on."""
-    policy = CostPolicy(skip_first=False)
-    for _ in range(3):
-        policy.record(8, True, 0.020, 16)
-    for _ in range(5):
-        policy.record(8, False, 0.012, 8)
+    policy = recorded(CostPolicy(skip_first=False), (8, True, 0.020, 16, 3), (8, False, 0.012, 8, 5))
     assert policy.winner(8) is True
-    for _ in range(3):
-        policy.record(8, False, 0.018, 8)
+    recorded(policy, (8, False, 0.018, 8, 3))
     want = (5 * 0.012 + 3 * 0.018) / (8 * (8 + policy.step_overhead))
     assert policy.seconds_per_token(8, False) == pytest.approx(want)
 
@@ -251,10 +252,7 @@ def test_the_loser_is_judged_on_its_whole_window_not_its_last_probes():
 def test_a_close_race_is_probed_every_few_steps():
     """Chains 5% cheaper per token: a plain probe costs little, and the race is re-checked every
     probe_every (4) steps."""
-    policy = CostPolicy(skip_first=False)
-    for _ in range(3):
-        policy.record(8, True, 0.0190, 16)
-        policy.record(8, False, 0.0100, 8)
+    policy = recorded(CostPolicy(skip_first=False), (8, True, 0.0190, 16, 3), (8, False, 0.0100, 8, 3))
     assert policy.winner(8) is True and policy.probe_interval(8) == policy.probe_every == 4
 
 
@@ -262,11 +260,7 @@ def test_a_few_good_shadow_drafts_after_many_rejected_chains_turn_chains_back_on
     """The acceptance that decides is that of the last few samples: a drafter wrong at the start
     of a text (ten chains committing their one token at 2.5x a plain step's time) and right after
     (two shadow drafts of which 7 tokens would have been accepted) speculates again."""
-    policy = CostPolicy(skip_first=False)
-    for _ in range(10):
-        policy.record(1, True, 0.025, 1)
-    for _ in range(3):
-        policy.record(1, False, 0.010, 1)
+    policy = recorded(CostPolicy(skip_first=False), (1, True, 0.025, 1, 10), (1, False, 0.010, 1, 3))
     assert policy.winner(1) is False
     policy.record_shadow(1, 8)
     policy.record_shadow(1, 8)
