@@ -3,6 +3,7 @@ reference on fresh random codes and scales; torch form == C kernel; batch invari
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -237,5 +238,9 @@ def test_packed_experts_held_apart_equal_stacked_bitwise():
     assert a.keys() == s.keys() and all(torch.equal(a[k], s[k]) for k in s)
     with pytest.raises(ValueError, match="held apart"):
         apart.target("w1", "packed")
+    twin = copy.deepcopy(apart)  # its table addresses its own copies of the matrices
+    w13 = twin.tables()[0]
+    assert [int(a) for a in w13.packed[3]] == [twin.expert_matrices(leaf, 3)[0].data_ptr() for leaf in ("w1", "w3")]
+    assert torch.equal(twin(h, ids, w), stacked(h, ids, w))
     apart.own_storage()
     assert not apart.apart and all(torch.equal(b, dict(stacked.named_buffers())[n]) for n, b in apart.named_buffers())

@@ -76,6 +76,11 @@ class ExpertTable:
             matrices=tuple(tuple(parts) for parts in experts),
         )
 
+    def __reduce__(self) -> tuple:
+        """Copies and pickles rebuild the table from (copies of) its matrices: the addresses are
+        this process's, of these tensors, and would point at the originals' memory."""
+        return (ExpertTable.of_parts, ([list(parts) for parts in self.matrices],))
+
     def expert(self, e: int) -> Matrices:
         """Expert e's whole (packed [N, K/2], scales [N, K/32]), its parts one after the other (a
         copy where there are several parts)."""
