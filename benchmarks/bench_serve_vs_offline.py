@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
-import tidal  # noqa: F401  (first: its OpenMP wait policy must be set before torch loads libgomp)
+import tidal  # first: its OpenMP wait policy must be set before torch loads libgomp
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -105,7 +105,8 @@ def bench(url: str, concurrency: int, args: argparse.Namespace, vocab: int, extr
 def serve_rows(cmd: list[str], url: str, args: argparse.Namespace, vocab: int, log: Path,
                extra: list[str] = ()) -> dict[int, dict]:
     with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        # llama-server in its own default OpenMP wait policy (see vs_llamacpp.run); tidal serve sets its own
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=tidal.foreign_process_env())
     try:
         wait_ready(url, proc)
         return {c: bench(url, c, args, vocab, list(extra)) for c in args.concurrency}

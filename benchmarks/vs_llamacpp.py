@@ -29,7 +29,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import tidal  # noqa: F401  (first: its OpenMP wait policy must be set before torch loads libgomp)
+import tidal  # first: its OpenMP wait policy must be set before torch loads libgomp
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,6 +68,10 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def run(cmd: list[str], **kw) -> str:
+    """Run a command that is not tidal (llama.cpp's tools, cmake, pip) in its own default OpenMP wait
+    policy: under the PASSIVE that importing tidal sets, every one of ggml's OpenMP barriers sleeps and
+    wakes, which slows llama.cpp's decode several-fold and is not how llama.cpp runs."""
+    kw.setdefault("env", tidal.foreign_process_env())
     done = subprocess.run(cmd, capture_output=True, text=True, **kw)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({done.returncode}):\n{done.stderr[-3000:]}")
