@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_scalar.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TILE_AVX2 1
@@ -19,14 +21,8 @@ static inline __m256 load8(const uint16_t *p) {
 #define TILE_PREFETCH 1
 #endif
 
-static inline float bf16(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 #define TILE_W uint16_t
-#define TILE_VALUE bf16
+#define TILE_VALUE bf16_to_float
 #include "row_tiles.h"
 
 /* Weight rows per work item (a multiple of every tile width), and bytes of x rows per row block. */

@@ -1,6 +1,7 @@
 /* bfloat16 <-> float32 one value at a time, for the small fused kernels (norms, AttnRes, the KDA
  * layer step). Rows there are either float32 (is_bf16 == 0) or bfloat16 (is_bf16 == 1).
  * Stores round to nearest even, as torch's .to(torch.bfloat16) does (NaN stays a quiet NaN). */
+#pragma once
 #include <stdint.h>
 #include <string.h>
 
@@ -18,6 +19,9 @@ static inline uint16_t float_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+
+/* v rounded to bfloat16 and back: the value a bfloat16 tensor of the torch form holds */
+static inline float bf16_round(float v) { return bf16_to_float(float_to_bf16(v)); }
 
 /* element i of a float32 or bfloat16 row */
 static inline float load_value(const void *row, int64_t i, int is_bf16) {

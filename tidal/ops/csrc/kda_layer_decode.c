@@ -68,9 +68,6 @@ static inline void exp_row(const float *x, float *y, int64_t n) {
 
 static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-/* v rounded to bfloat16 and back: the value a bfloat16 tensor of the torch form holds */
-static inline float bf16_round(float v) { return bf16_to_float(float_to_bf16(v)); }
-
 /* The recurrent part for head h of one token: rows x (qkv), zr, gr, br at their starts, conv state
  * cs and recurrent state S of the token's slot; writes the head's K outputs to y. round_bf16: the
  * conv output is rounded to bfloat16, as the torch form of a bfloat16 model holds it. */

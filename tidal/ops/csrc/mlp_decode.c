@@ -26,8 +26,6 @@ struct mlp_weights {
 /* float32 values of scratch mlp_step needs per row */
 int64_t mlp_step_scratch(const struct mlp_weights *w) { return 2 * w->hidden + 3 * w->inter; }
 
-static inline float round_bf16(float v) { return bf16_to_float(float_to_bf16(v)); }
-
 /* x [T, hidden] bfloat16 rows (row stride x_stride) -> out [T, hidden] bfloat16, contiguous. scratch
  * holds T * mlp_step_scratch(w) floats. Returns 0, or -1 for weights of mismatched sizes. */
 int mlp_step(const struct mlp_weights *w, const uint16_t *x, int64_t x_stride, int64_t T, uint16_t *out,
@@ -38,11 +36,11 @@ int mlp_step(const struct mlp_weights *w, const uint16_t *x, int64_t x_stride, i
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < d; i++) xf[t * d + i] = bf16_to_float(x[t * x_stride + i]);
     bf16_parts_product(xf, T, d, 2, w->gate_up, w->gate_up_stride, w->gate_up_rows, gu, num_threads);
-    for (int64_t i = 0; i < 2 * T * I; i++) gu[i] = round_bf16(gu[i]);
+    for (int64_t i = 0; i < 2 * T * I; i++) gu[i] = bf16_round(gu[i]);
     for (int64_t t = 0; t < T; t++) {
         float *a = act + t * I;
         gated_act_row(gu + t * 2 * I, gu + t * 2 * I + I, a, I, (int)w->kind, w->beta, w->linear_beta);
-        for (int64_t i = 0; i < I; i++) a[i] = round_bf16(a[i]);
+        for (int64_t i = 0; i < I; i++) a[i] = bf16_round(a[i]);
     }
     bf16_parts_product(act, T, I, 1, &w->down, &w->down_stride, &d, of, num_threads);
     for (int64_t i = 0; i < T * d; i++) out[i] = float_to_bf16(of[i]);
