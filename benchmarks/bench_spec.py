@@ -13,11 +13,17 @@ Drafters (``--algorithms``): NGRAM, and DSPARK with the drafter shipped beside t
 (``tidal/assets/embedded-dspark``, ``--dspark-path`` for another).
 
 Decode tok/s counts the tokens emitted by steps without prefill work and divides by those steps'
-wall time (prefill is the same with and without speculation). Each (concurrency, setting) runs
-``--repeats`` times and the best is kept (the machine is shared and noisy).
+wall time (prefill is the same with and without speculation). The machine is shared and its speed
+swings within a run, so every engine runs once per round, in the order plain, each drafter, a
+second plain engine (``plain2``), reversed in every other round (each engine is as often early as
+late), for ``--repeats`` rounds on the same prompts. A cell's ratio is the median over rounds of
+that round's speculative tok/s over the first plain engine's; ``plain2 / plain`` is the same ratio
+between two identical plain engines: the noise floor of the cell. ``slower`` marks a drafter whose
+median ratio is below 1 by more than the floor's largest deviation from 1 in that cell (slower
+than noise explains).
 
     python benchmarks/bench_spec.py [--concurrency 1 8 32] [--k K] [--dspark-k K] [--tokens 64] [--threads 1]
-        [--algorithms NGRAM DSPARK] [--workloads repeat chat code]
+        [--algorithms NGRAM DSPARK] [--workloads repeat chat code] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import argparse
 import inspect
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -107,7 +114,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=None, help="speculative_num_draft_tokens (default: the engine's)")
     ap.add_argument("--dspark-k", type=int, default=None, help="DSPARK's block size (default: --k, else the engine's)")
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workloads", nargs="+", default=["repeat", "chat", "code"])
     ap.add_argument("--replay", action="store_true", help="--enable-linear-replayssm-spec")
@@ -116,37 +123,64 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dspark = args.dspark_path or str(Path(__file__).resolve().parents[1] / "tidal" / "assets" / "embedded-dspark")
-    plain = LLM(enable_prefix_caching=False)
-    specs = {}
+    engines = {"plain": LLM(enable_prefix_caching=False)}
     for algo in args.algorithms:
         k = args.dspark_k or args.k if algo == "DSPARK" else args.k
         extra = {"speculative_draft_model_path": dspark, "speculative_dspark_block_size": k} \
             if algo == "DSPARK" else {"speculative_num_draft_tokens": k}
-        specs[algo] = LLM(enable_prefix_caching=False, speculative_algorithm=algo,
-                          enable_linear_replayssm_spec=args.replay, **extra)
-    cfg = next(iter(specs.values())).engine.spec.config
-    ks = ", ".join(f"{a} k={s.engine.spec.config.num_draft_tokens}" for a, s in specs.items())
+        engines[algo] = LLM(enable_prefix_caching=False, speculative_algorithm=algo,
+                            enable_linear_replayssm_spec=args.replay, **extra)
+    engines["plain2"] = LLM(enable_prefix_caching=False)
+    cfg = engines[args.algorithms[0]].engine.spec.config
+    ks = ", ".join(f"{a} k={engines[a].engine.spec.config.num_draft_tokens}" for a in args.algorithms)
     print(f"embedded model, float32, {args.threads} thread(s), {ks}, rollback {cfg.rollback}, speculation "
-          f"{'adaptive (tidal.spec.policy)' if cfg.adaptive else 'always'}; load average {os.getloadavg()[0]:.1f}")
+          f"{'adaptive (tidal.spec.policy)' if cfg.adaptive else 'always'}, {args.repeats} interleaved rounds, "
+          f"{args.tokens} tokens; load average {os.getloadavg()[0]:.1f}")
     print(f"{'workload':9} {'drafter':8} {'conc':>4} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} "
-          f"{'accept len':>10} {'load':>5}")
+          f"{'rounds':>11} {'accept len':>10} {'plain2/plain':>17} {'':6} {'load':>5}")
     for work in args.workloads:
         for conc in args.concurrency:
-            prompts = prompts_for(work, plain.tokenizer, conc)
-            run(plain, prompts[:1], 4)  # warm-up
-            for algo, spec in specs.items():
-                run(spec, prompts[:1], 4)
-                # plain and speculative runs alternate, so both see the same machine load
-                plain_runs, spec_runs = [], []
-                for _ in range(args.repeats):
-                    plain_runs.append(run(plain, prompts, args.tokens)[0])
-                    spec_runs.append(run(spec, prompts, args.tokens))
-                best_plain, best_spec = max(plain_runs), max(r[0] for r in spec_runs)
-                accepts = [r[2] for r in spec_runs if r[2] is not None]
-                accept = sum(accepts) / len(accepts) if accepts else None
-                print(f"{work:9} {algo:8} {conc:>4} {best_plain:>12.1f} {best_spec:>11.1f} "
-                      f"{best_spec / best_plain:>6.2f} {'-' if accept is None else f'{accept:.2f}':>10} "
-                      f"{os.getloadavg()[0]:>5.1f}", flush=True)
+            prompts = prompts_for(work, engines["plain"].tokenizer, conc)
+            for llm in engines.values():
+                run(llm, prompts[:1], 4)  # warm-up
+            got = round_robin(engines, prompts, args.tokens, args.repeats)
+            floor = ratios(got["plain2"], got["plain"])
+            for algo in args.algorithms:
+                print(cell(work, algo, conc, got[algo], got["plain"], floor), flush=True)
+
+
+def round_robin(engines: dict[str, LLM], prompts: list[str], tokens: int, rounds: int) -> dict[str, list]:
+    """Each engine's :func:`run` results, one per round; the engines run in their order, reversed
+    in every other round. Keyed as ``engines``, plain engines ("plain", "plain2") included."""
+    names = list(engines)
+    got: dict[str, list] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            got[name].append(run(engines[name], prompts, tokens))
+    return got
+
+
+def ratios(runs: list, base: list) -> list[float]:
+    """Per round: the tok/s of ``runs`` over that of ``base`` (results of :func:`run`)."""
+    return [a[0] / b[0] if b[0] else 0.0 for a, b in zip(runs, base)]
+
+
+def slower_than_noise(ratio: float, floor: list[float]) -> bool:
+    """A median ratio below 1 by more than the plain-vs-plain ratios ever strayed from 1."""
+    return ratio < 1.0 - max(abs(1.0 - f) for f in floor)
+
+
+def cell(work: str, algo: str, conc: int, rounds: list, plain: list, floor: list[float]) -> str:
+    """One row: medians over the rounds, the per-round ratio's range, the noise floor's."""
+    got = ratios(rounds, plain)
+    ratio = statistics.median(got)
+    accepts = [r[2] for r in rounds if r[2] is not None]
+    accept = f"{sum(accepts) / len(accepts):.2f}" if accepts else "-"
+    noise = f"{statistics.median(floor):.2f} ({min(floor):.2f}-{max(floor):.2f})"
+    return (f"{work:9} {algo:8} {conc:>4} {statistics.median(r[0] for r in plain):>12.1f} "
+            f"{statistics.median(r[0] for r in rounds):>11.1f} {ratio:>6.2f} {min(got):>5.2f}-{max(got):<5.2f} "
+            f"{accept:>10} {noise:>17} {'slower' if slower_than_noise(ratio, floor) else '':6} "
+            f"{os.getloadavg()[0]:>5.1f}")
 
 
 if __name__ == "__main__":
