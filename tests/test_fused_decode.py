@@ -457,21 +457,28 @@ def test_kda_whole_layer_step_matches_float64_token_by_token(monkeypatch, preset
         assert (state.double() - ref).abs().max() / ref.abs().max() < 0.03
 
 
-@pytest.mark.parametrize("preset", [tiny_k3, tiny_kimi_linear])
-def test_kda_whole_layer_step_has_the_bits_of_the_separate_calls(monkeypatch, preset):
+# 8 sequences of 4 heads of 128: csrc/kda_layer_decode.c's RECURRENT_PARALLEL_MIN state values, so
+# the recurrent part runs on 2 threads in the batch and on one for a row alone
+THREADED_HEADS = {"kda_num_heads": 4, "kda_head_dim": 128}
+
+
+@pytest.mark.parametrize("preset,heads,n", [(tiny_k3, {}, 4), (tiny_kimi_linear, {}, 4),
+                                            (tiny_k3, THREADED_HEADS, 8)])
+def test_kda_whole_layer_step_has_the_bits_of_the_separate_calls(monkeypatch, preset, heads, n):
     """The one call == the calls it replaces (parts product, f_b, the recurrent kernel, o_proj), bit
-    for bit, in outputs and states; a row alone == in the batch and 1 == 2 threads, bitwise."""
-    config = preset()
+    for bit, in outputs and states; a row alone == in the batch and 1 == 2 threads, bitwise (also
+    where the batch's recurrent part is threaded and the row alone's is not)."""
+    config = replace(preset(), **heads)
     layer = bf16_kda_layer(config, seed=23)
     gen = torch.Generator().manual_seed(24)
-    xs = torch.randn(5, 4, config.hidden_size, generator=gen).bfloat16()
-    slots = [3, 1, 0, 2]
+    xs = torch.randn(5, n, config.hidden_size, generator=gen).bfloat16()
+    slots = torch.randperm(n, generator=gen).tolist()
     runs = {}
-    for name, fused, n in (("fused", True, 2), ("separate", False, 2), ("one thread", True, 1)):
-        with monkeypatch.context() as m, threads(n):
+    for name, fused, nt in (("fused", True, 2), ("separate", False, 2), ("one thread", True, 1)):
+        with monkeypatch.context() as m, threads(nt):
             if not fused:
                 m.setattr(fused_decode, "kda_layer_step", lambda *a: None)
-            cache = SimpleCache(config, 4, torch.bfloat16)
+            cache = SimpleCache(config, n, torch.bfloat16)
             runs[name] = (decode_steps(layer, xs, slots, cache), *(t.clone() for t in cache.kda_state(0)))
     alone = []
     for i, s in enumerate(slots):

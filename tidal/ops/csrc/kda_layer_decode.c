@@ -196,6 +196,10 @@ void kda_layer_chain(const void *qkv, int64_t qkv_stride, const void *z, int64_t
  * [P, K], g_b_w [P, gate_rank] (NULL for a full-rank gate) and o_w [hidden, P] likewise. The rest
  * is kda_layer_decode's. */
 #define KDA_IN_PARTS 6
+/* State values (tokens x heads x K x K) below which the recurrent part runs on the calling thread:
+ * one token's heads take less time than a passive OpenMP pool's wake-up saves. Each (token, head)
+ * is one thread's work either way, so the bits do not change. */
+#define RECURRENT_PARALLEL_MIN (1 << 19)
 struct kda_layer_weights {
     int64_t hidden, heads, head_dim, conv_kernel, gate_rank;
     const uint16_t *in_w[KDA_IN_PARTS];
@@ -261,7 +265,7 @@ int kda_layer_step(const struct kda_layer_weights *w, const uint16_t *x, int64_t
         gate_ld = P;
     }
     const float *b_rows = proj + 3 * P + K + gate_w;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads) if (num_threads > 1)
+#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads) if (num_threads > 1 && T * H * K * K >= RECURRENT_PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++) {
         for (int64_t h = 0; h < H; h++) {
             kda_token_head((const char *)(proj + t * n_in), (const char *)(z + t * P),

@@ -166,6 +166,10 @@ static void decode_rows(const uint8_t *we, int64_t ws, const uint8_t *se, int64_
 /* Weight rows per work item (a multiple of every tile width): a decode step (as few as top-k
  * groups) still spreads over the threads. An item never spans two parts. */
 #define ROW_CHUNK 48
+/* (row, 32-weight block) pairs below which a product runs on the calling thread: a passive OpenMP
+ * pool's wake-up costs more than a second thread saves on a few experts' rows (a decode step's
+ * top-k at one token). The bits do not depend on the thread count either way. */
+#define PARALLEL_MIN_WORK (1 << 17)
 
 static int grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, const int64_t *experts, int64_t G,
                         const expert_rows *wt, int64_t N, float *out, int num_threads) {
@@ -181,7 +185,9 @@ static int grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, co
     const float *x = x_in;
 #endif
     int status = 0;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    /* (row, weight block) pairs: below PARALLEL_MIN_WORK the calling thread alone is faster */
+    const int64_t work = offsets[G] * N * (K / 32);
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && work >= PARALLEL_MIN_WORK)
     {
         float *panel = malloc(sizeof(float) * MAX_C * K);
 #pragma omp for schedule(dynamic, 1)
