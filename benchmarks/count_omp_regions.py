@@ -54,10 +54,9 @@ sys.path.insert(0, {bench!r})
 sys.path.insert(0, {tree!r})
 import tidal, torch
 assert tidal.__file__.startswith({tree!r}), tidal.__file__
-from count_decode_ops import decode_engine
+from count_decode_ops import MODEL_MODULES, decode_engine
 from vs_llamacpp import CONFIG, checkpoint
 from tidal import LLM
-from tidal.model import kda, kimi, layers, mla, moe
 shim = ctypes.CDLL({shim!r})
 multi, single = shim.omp_regions_multi, shim.omp_regions_single
 multi.restype = single.restype = ctypes.c_int64
@@ -81,11 +80,7 @@ def labelled(owner, name, label):
             if stack:
                 stack[-1][1] += mine
     setattr(owner, name, wrapper)
-for owner, name, label in [
-        (kda.KimiDeltaAttention, "forward", "KDA"), (mla.KimiMLA, "forward", "MLA"),
-        (moe.KimiMoE, "forward", "MoE (without its MLP)"), (moe.KimiMLP, "forward", "dense/shared MLP"),
-        (kimi, "apply_attn_res", "AttnRes"), (kimi.KimiForCausalLM, "compute_logits", "lm_head"),
-        (layers.RMSNorm, "forward", "RMSNorm")]:
+for owner, name, label in MODEL_MODULES:
     labelled(owner, name, label)
 m0, s0 = multi(), single()
 for _ in range({steps}):

@@ -185,7 +185,6 @@ static int grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, co
     const float *x = x_in;
 #endif
     int status = 0;
-    /* (row, weight block) pairs: below PARALLEL_MIN_WORK the calling thread alone is faster */
     const int64_t work = offsets[G] * N * (K / 32);
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && work >= PARALLEL_MIN_WORK)
     {
