@@ -26,7 +26,8 @@ from tidal.parallel.shard import build_rank_model, copy_shards  # noqa: E402
 from tidal.plan.weights import weight_breakdown  # noqa: E402
 
 # (checkpoint, tp, ep, dcp)
-ENGINE_LAYOUTS = [("k3", 2, 1, 1), ("k3", 2, 2, 1), ("k3", 2, 1, 2), ("k3", 4, 1, 2), ("kl", 2, 2, 1), ("kl", 2, 1, 2)]
+LAYOUTS = [(2, 1, 1), (2, 2, 1), (2, 1, 2), (4, 1, 2)]  # the TP 2, TP 2 + EP 2, TP 2 + DCP 2, TP 4 + DCP 2
+ENGINE_LAYOUTS = [(kind, *lay) for kind in ("k3", "kl") for lay in LAYOUTS]
 DCP_LAYOUTS = [("k3", 2, 1, 2), ("kl", 4, 2, 4)]
 ALL = sorted({lay for lay in ENGINE_LAYOUTS + DCP_LAYOUTS})
 
@@ -196,6 +197,7 @@ def test_engine_on_ranks_equals_tp1(ckpts, ranks) -> None:
     refs = {kind: pr.rank_program(RankPlace(0), _solo(RankPlace(0)), path) for kind, path in ckpts.items()}
     assert refs["k3"]["preemptions"] > 0 and refs["k3"]["prefix_hits"] > 0
     assert refs["kl"]["prefix_hits"] > 0
+    assert {(tp, ep, dcp) for kind, tp, ep, dcp in ENGINE_LAYOUTS if kind == "kl"} == set(LAYOUTS)
     for i, (kind, tp, ep, dcp) in enumerate(ENGINE_LAYOUTS):
         for rank in range(tp):
             got = ranks[rank]["engine"][i]

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import parallel_ranks as pr  # noqa: E402
 from tidal import LLM, SamplingParams  # noqa: E402
+from tidal.engine.faults import StepFailedError, WorkerLostError  # noqa: E402
 from tidal.model.checkpoint import read_config  # noqa: E402
 from tidal.plan.planner import plan_for_pool  # noqa: E402
 from tidal.plan.weights import weight_breakdown  # noqa: E402
@@ -47,9 +48,13 @@ def test_rank_workers_serve_like_tp1_and_a_dead_rank_fails_fast(tmp_path) -> Non
         assert llm.workers.alive()  # a heartbeat round trip
         llm.workers.procs[1].kill()
         start = time.monotonic()
-        with pytest.raises(Exception):
+        with pytest.raises(StepFailedError, match=r"rank 1's worker \(pid \d+\) exited \(killed by signal 9\)") as lost:
             llm.generate(prompts, params)
         assert time.monotonic() - start < 30
+        assert isinstance(lost.value.__cause__, WorkerLostError)
+        assert not llm.workers.alive()  # what /health reads: 503 from now on
+        with pytest.raises(StepFailedError, match=r"rank 1's worker"):  # later requests fail at once, naming it
+            llm.generate(prompts[:1], params)
     finally:
         llm.close()
     assert all(p.poll() is not None for p in llm.workers.procs)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,13 +33,20 @@ def rank_pid(rank: int, addr: str) -> int:
 
 
 def test_two_nodes_serve_and_a_lost_node_turns_health_503() -> None:
+    """TP 2 + DCP 2 over two nodes: the start-up log has the load's aggregate GB/s line and the
+    logical context across the DCP ranks (2 x each rank's KV tokens)."""
     addr = f"127.0.0.1:{free_port()}"
-    flags = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    flags = ["--tp-size", "2", "--dcp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     node1 = subprocess.Popen([sys.executable, "-m", "tidal.cli", "serve", *flags, "--node-rank", "1"], env=env)
     server = None
     try:
-        server = start_server(*flags, "--node-rank", "0", timeout=600)
+        server = start_server(*flags, "--node-rank", "0", "--log-level", "info", timeout=600)
+        log = server.log_text()
+        loaded = re.search(r"loaded 2 ranks' shards: ([\d.]+) GB read in ([\d.]+) s, ([\d.]+) GB/s aggregate", log)
+        assert loaded and float(loaded[1]) > 0 and float(loaded[3]) > 0, log
+        capacity = re.search(r"capacity: (\d+) KV tokens per rank x dcp 2 = (\d+) logical", log)
+        assert capacity and int(capacity[2]) == 2 * int(capacity[1]) > 0, log
         r = httpx.post(f"{server.url}/v1/completions", timeout=120,
                        json={"model": "tidal-test", "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200, r.text
@@ -52,7 +60,7 @@ def test_two_nodes_serve_and_a_lost_node_turns_health_503() -> None:
             time.sleep(0.5)
         r = httpx.post(f"{server.url}/v1/completions", timeout=60,
                        json={"model": "tidal-test", "prompt": "hi", "max_tokens": 4})
-        assert r.status_code >= 500
+        assert r.status_code >= 500 and "rank 1" in r.text, r.text
     finally:
         if server is not None:
             server.stop()

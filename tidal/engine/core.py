@@ -231,7 +231,7 @@ class EngineCore:
             lay.pool_bytes / 2**20, lay.num_blocks, lay.block_bytes / 1024, lay.state_bytes, lay.pages_per_block,
             lay.page_size, self.device, str(self.dtype).removeprefix("torch."),
         )
-        logger.debug(
+        logger.info(  # the one start-up line a user reads: what fits, across the DCP ranks
             "capacity: %d KV tokens per rank x dcp %d = %d logical (pool all KV); %d concurrent requests of "
             "max_model_len %d tokens, %d of 1 token; longest single request %d tokens",
             lay.kv_tokens_per_rank, lay.dcp_size, lay.kv_tokens_logical, lay.max_requests(self.max_model_len),

@@ -32,12 +32,12 @@ class RankPlace:
     dcp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name, v in (("tp_size", self.tp_size), ("ep_size", self.ep_size), ("dcp_size", self.dcp_size)):
+        for flag, v in (("--tp-size", self.tp_size), ("--ep-size", self.ep_size), ("--dcp-size", self.dcp_size)):
             if v < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
-        if self.tp_size % self.ep_size or self.tp_size % self.dcp_size:
-            raise ValueError(f"tp_size {self.tp_size} must be a multiple of ep_size {self.ep_size} and of "
-                             f"dcp_size {self.dcp_size} (EP and DCP reuse the TP ranks)")
+                raise ValueError(f"{flag} must be >= 1, got {v}")
+        for flag, v, what in (("--ep-size", self.ep_size, "EP"), ("--dcp-size", self.dcp_size, "DCP")):
+            if self.tp_size % v:
+                raise ValueError(f"{flag} {v} does not divide --tp-size {self.tp_size} ({what} reuses the TP ranks)")
         if not 0 <= self.rank < self.tp_size:
             raise ValueError(f"rank {self.rank} is not in 0..{self.tp_size - 1}")
 
@@ -97,20 +97,25 @@ class Collectives:
         return torch.cat(parts, dim=dim)
 
 
+def backend_for(device: str) -> str:
+    """The process-group backend for ranks whose model lives on ``device``: gloo on the CPU; on CUDA
+    NCCL for the CUDA tensors and gloo for the CPU ones every rank also sends (step plans, pings,
+    the logits for the core), so a CUDA rank's world is ``"cpu:gloo,cuda:nccl"``."""
+    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+
+
 def init_distributed(
-    place: RankPlace, init_method: str, backend: str | None = None, timeout_s: float = 60.0,
+    place: RankPlace, init_method: str, device: str = "cpu", timeout_s: float = 60.0,
     world_size: int | None = None,
 ) -> Collectives:
     """Join the ranks (``init_method``: "tcp://host:port", SGLang's --dist-init-addr) and make this
-    layout's groups; gloo on the CPU, NCCL on CUDA unless ``backend`` says otherwise. ``world_size``
-    (default tp_size) may be larger: then :func:`make_groups` can carve several layouts out of one
-    set of processes (the tests do)."""
+    layout's groups, over :func:`backend_for` ``device`` (the rank's, not whether this machine has a
+    GPU). ``world_size`` (default tp_size) may be larger: then :func:`make_groups` can carve several
+    layouts out of one set of processes (the tests do)."""
     if place.tp_size == 1 and not world_size:
         return Collectives(place, None, None)
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, rank=place.rank,
+        dist.init_process_group(backend_for(device), init_method=init_method, rank=place.rank,
                                 world_size=world_size or place.tp_size, timeout=timedelta(seconds=timeout_s))
     return make_groups(place.tp_size, place.ep_size, place.dcp_size)
 

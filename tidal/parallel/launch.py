@@ -29,7 +29,7 @@ def _rank_main(target: Callable[..., Any], place: RankPlace, init_method: str, a
                threads: int, world_size: int | None) -> None:
     torch.set_num_threads(threads)
     try:
-        comm = init_distributed(place, init_method, world_size=world_size)
+        comm = init_distributed(place, init_method, "cpu", world_size=world_size)
         # plain pickle: tensors travel as bytes, not as shared memory the exiting rank would take along
         results.put((place.rank, True, pickle.dumps(target(place, comm, *args))))
     except BaseException:  # reported to the launcher, which stops every rank

@@ -85,12 +85,22 @@ class Watchdog:
 
     def _watch(self) -> None:
         seen: dict[int, tuple[int, float]] = {}  # rank -> (last count, when it changed)
+        exit_seen: float | None = None  # when a local worker was first seen gone by an exit code
         while not self._stop.wait(HEARTBEAT_INTERVAL_S / 2):
-            reason = self.exited()
             now = time.monotonic()
+            reason = self.exited()
+            gone = {r for r, p in self.procs.items() if p.poll() is not None}
+            if reason is not None and not self._caused_by_a_signal() and len(self.procs) < len(self.ranks):
+                # A worker that exits by itself most often saw a collective fail: a rank on another
+                # node may have gone first. Its heartbeat names it within timeout_s; wait for that.
+                exit_seen = now if exit_seen is None else exit_seen
+                if now - exit_seen <= self.timeout_s + HEARTBEAT_INTERVAL_S:
+                    reason = None
             for r in self.ranks:
                 if reason is not None:
                     break
+                if r in gone:
+                    continue
                 try:
                     count = self.store.add(heartbeat_key(r), 0)
                 except Exception as e:  # noqa: BLE001
@@ -108,14 +118,22 @@ class Watchdog:
                 kill_all(self.procs.values())
                 return
 
+    def _caused_by_a_signal(self) -> bool:
+        return any((p.poll() or 0) < 0 for p in self.procs.values())
+
     def exited(self) -> str | None:
-        """Why a local worker is gone (None while all run)."""
-        for r, p in self.procs.items():
-            code = p.poll()
-            if code is not None:
-                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                return f"rank {r}'s worker (pid {p.pid}) exited ({how})"
-        return None
+        """Why a local worker is gone (None while all run): one killed by a signal before one that
+        exited by itself (which, most often, saw the killed one's collectives fail)."""
+        gone = [(r, p, p.poll()) for r, p in self.procs.items() if p.poll() is not None]
+        if not gone:
+            return None
+        r, p, code = min(gone, key=lambda g: (g[2] >= 0, g[0]))
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        return f"rank {r}'s worker (pid {p.pid}) exited ({how})"
+
+    def decided(self, within_s: float) -> None:
+        """Wait until this watchdog has named the lost rank (it exits then), ``within_s`` at most."""
+        self.thread.join(timeout=within_s)
 
 
 def kill_all(procs) -> None:

@@ -31,9 +31,10 @@ import torch.distributed as dist
 from tidal.config import parse_dtype
 from tidal.engine.faults import WorkerLostError
 from tidal.engine.plan import StepPlan, decode_plan, encode_plan
-from tidal.parallel.groups import make_groups
+from tidal.parallel.flags import node_ranks, split_addr
+from tidal.parallel.groups import backend_for, make_groups
 from tidal.plan.layout import PoolLayout
-from tidal.parallel.watchdog import LOST_KEY, Heartbeat, Watchdog, heartbeat_key, kill_all
+from tidal.parallel.watchdog import HEARTBEAT_TIMEOUT_S, LOST_KEY, Heartbeat, Watchdog, heartbeat_key, kill_all
 
 log = logging.getLogger("tidal.parallel")
 
@@ -43,35 +44,11 @@ DEFAULT_TIMEOUT_S = 60.0
 STARTUP_TIMEOUT_S = 600.0
 
 
-def node_ranks(tp_size: int, nnodes: int, node_rank: int) -> range:
-    """The worker ranks node ``node_rank`` hosts."""
-    if nnodes < 1 or tp_size % nnodes:
-        raise ValueError(f"--nnodes {nnodes} must divide --tp-size {tp_size}")
-    if not 0 <= node_rank < nnodes:
-        raise ValueError(f"--node-rank {node_rank} is not in 0..{nnodes - 1}")
-    per = tp_size // nnodes
-    return range(node_rank * per, (node_rank + 1) * per)
-
-
-def split_addr(addr: str) -> tuple[str, int]:
-    """"host:port" (SGLang's --dist-init-addr; also "tcp://host:port") as (host, port)."""
-    host, sep, port = addr.removeprefix("tcp://").rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"--dist-init-addr {addr!r}: expected host:port")
-    return host, int(port)
-
-
 def rank_device(device: str, local_rank: int) -> str:
     """A rank's device: the CPU, or its node's ``local_rank``-th GPU (one GPU per rank)."""
     if not device.startswith("cuda"):
         return "cpu"
     return f"cuda:{local_rank}"
-
-
-def world_backend(device: str) -> str:
-    """gloo for CPU tensors (the plans, pings, the logits sent to the core, all on the CPU), NCCL
-    for the ranks' CUDA collectives; the core, a CPU-only rank, is in no CUDA group."""
-    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
 
 def loaded_key(rank: int) -> str:
@@ -167,7 +144,7 @@ def worker_main(rank: int, tp_size: int, ep_size: int, dcp_size: int, init_metho
     store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
     Heartbeat(host, port, rank)
     store.wait([heartbeat_key(r) for r in range(tp_size)], timedelta(seconds=STARTUP_TIMEOUT_S))  # all started
-    dist.init_process_group(world_backend(device), store=store, rank=rank, world_size=world,
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     try:
         comm = make_groups(tp_size, ep_size, dcp_size)
@@ -236,7 +213,7 @@ class RankWorkers:
         self.watchdog = Watchdog(host, self.store.port, range(tp_size), dict(zip(ranks, self.procs)), self._lose)
         try:
             self._wait_for(heartbeat_key, deadline=time.monotonic() + STARTUP_TIMEOUT_S)  # every rank started
-            dist.init_process_group(world_backend(device), store=self.store, rank=tp_size,
+            dist.init_process_group(backend_for(device), store=self.store, rank=tp_size,
                                     world_size=tp_size + 1, timeout=td)
             make_groups(tp_size, ep_size, dcp_size)
         except BaseException:
@@ -335,12 +312,9 @@ class RankWorkers:
     def _fail(self, reason: str) -> None:
         """The world is broken: name why (a watchdog's finding, or a local worker's exit, wins over a
         collective's error) and kill this node's workers."""
-        deadline = time.monotonic() + 1.0  # a killed peer fails the collective before its exit shows
-        while self.lost is None and time.monotonic() < deadline:
-            exited = self.watchdog.exited()
-            if exited is not None:
-                self._lose(exited)
-            time.sleep(0.05)
+        # A killed peer fails the collective before its exit shows, and a peer on another node is
+        # named by its heartbeat: the watchdog's finding names the rank, ``reason`` does not.
+        self.watchdog.decided(HEARTBEAT_TIMEOUT_S + 2.0)
         self._lose(reason)
         kill_all(self.procs)
 

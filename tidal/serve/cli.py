@@ -215,13 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     from tidal.embedded import embedded_model_dir
 
     model_dir = Path(args.model_dir) if args.model_dir else embedded_model_dir()
-    if args.nnodes > 1 and not args.dist_init_addr:
-        print("tidal serve: --nnodes > 1 needs --dist-init-addr host:port", file=sys.stderr)
+    from tidal.parallel.flags import check_flags
+
+    try:
+        check_flags(args.tp_size, args.ep_size, args.dcp_size, args.nnodes, args.node_rank, args.dist_init_addr)
+    except ValueError as e:
+        print(f"tidal serve: {e}", file=sys.stderr)
         return 2
     if args.node_rank > 0:  # a worker node: no server, its ranks until the core stops them
-        from tidal.parallel.workers import run_node
-
-        from tidal.parallel.workers import DEFAULT_TIMEOUT_S
+        from tidal.parallel.workers import DEFAULT_TIMEOUT_S, run_node
 
         return run_node(str(model_dir), dtype, tp_size=args.tp_size, ep_size=args.ep_size, dcp_size=args.dcp_size,
                         nnodes=args.nnodes, node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
