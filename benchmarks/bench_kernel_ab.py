@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         s13 = torch.randint(120, 128, (LAYERS, E, 2 * INTER, D // 32), generator=gen, dtype=torch.uint8)
         w2 = torch.randint(0, 256, (LAYERS, E, D, INTER // 2), generator=gen, dtype=torch.uint8)
         s2 = torch.randint(120, 128, (LAYERS, E, D, INTER // 32), generator=gen, dtype=torch.uint8)
+        # the kernel's expert_rows tables: each expert's first row and first scale byte, by address
+        tables = [[torch.tensor([t[layer, e].data_ptr() for e in range(E)], dtype=torch.int64)
+                   for t in (w13, s13, w2, s2)] for layer in range(LAYERS)]
         for T in args.tokens:
             h = torch.randn(T, D, generator=gen)
             ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(T)])
@@ -117,12 +120,13 @@ def main(argv: list[str] | None = None) -> int:
 
             def experts(key: str) -> None:
                 fn = libs[key]["mxfp4_gemm"].mxfp4_moe_tokens
-                fn.argtypes = [vp, i64, ctypes.c_int, i64, i64, vp, vp, i64, i64, vp, vp, i64, vp, vp, ctypes.c_int,
-                               ctypes.c_float, ctypes.c_float, vp, ctypes.c_int]
+                fn.argtypes = [vp, i64, ctypes.c_int, i64, i64, vp, vp, i64, i64, vp, vp, i64, i64, i64, i64, vp, vp,
+                               i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_float, vp, ctypes.c_int]
                 fn.restype = ctypes.c_int
                 for layer in range(LAYERS):
-                    fn(p(h), D, 0, T, D, p(ids), p(wts), TOP_K, E, p(w13[layer]), p(s13[layer]), INTER, p(w2[layer]),
-                       p(s2[layer]), 1, 4.0, 25.0, p(outs[key]), args.threads)
+                    fn(p(h), D, 0, T, D, p(ids), p(wts), TOP_K, E, p(tables[layer][0]), p(tables[layer][1]), 1,
+                       D // 2, D // 32, INTER, p(tables[layer][2]), p(tables[layer][3]), INTER // 2, INTER // 32, 1,
+                       4.0, 25.0, p(outs[key]), args.threads)
 
             t = {key: float("inf") for key in libs}
             for _ in range(args.repeats):

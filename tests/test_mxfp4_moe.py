@@ -111,6 +111,25 @@ def test_torch_form_matches_c_kernel(kernels):
     torch.testing.assert_close(c, t, rtol=1e-5, atol=1e-5)
 
 
+def test_few_row_groups_equal_rows_alone_bitwise(kernels):
+    """Groups of 1 to 8 rows (decoded in registers up to 4 rows, through the L1 panel past that) at an
+    odd weight-row count over two chunks: each row == the same row alone, bit for bit, and all
+    within fp32 rounding of the float64 reference."""
+    gen = torch.Generator().manual_seed(6)
+    packed, scales = random_experts(gen, 8, 101, 96)
+    counts = [1, 2, 3, 4, 5, 6, 7, 8]
+    experts, offsets, ids = groups(gen, 8, counts)
+    x = torch.randn(sum(counts), 96, generator=gen)
+    batch = kernels[0](x, offsets, ids, packed, scales)
+    check(batch, x, counts, experts, packed, scales)
+    start = 0
+    for g, n in enumerate(counts):
+        for t in range(start, start + n):
+            alone = kernels[0](x[t : t + 1], torch.tensor([0, 1]), ids[g : g + 1], packed, scales)
+            assert torch.equal(alone[0], batch[t]), f"row {t} of a group of {n}"
+        start += n
+
+
 def test_row_alone_equals_row_in_a_batch_bitwise(kernels):
     """Every row of a batch (decode-sized and prefill-sized groups) == the same row computed alone,
     and thread count changes nothing: the batch (58 rows x 200 weight rows x 12 blocks, over

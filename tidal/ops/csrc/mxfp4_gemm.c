@@ -16,7 +16,8 @@
  * into a per-thread buffer in L1, and the group's rows pass under it in the register tiles of
  * row_tiles.h, whose fixed summation order makes every row's result bitwise independent of the
  * other rows, the group sizes and the thread count. A group of one row (decode) skips the panel:
- * its blocks are decoded in registers straight into the fused multiply-adds. On AVX2 the columns
+ * its blocks are decoded in registers straight into the fused multiply-adds; with AVX-512, groups of
+ * up to 4 rows do too, two weight rows per 16-lane register (paired_tile_packed). On AVX2 the columns
  * of each group of 8 are taken in the decoder's order (PERM), x's included, so decoding is a few
  * in-lane byte shuffles per 32 weights.
  *
@@ -154,6 +155,97 @@ static void row_times_packed(const float *x, int64_t K, const uint8_t *we, int64
 #define decode_block decode_block_in_order
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PAIRED_ROWS 1
+/* decode_block8 of two weight rows' blocks at once: row 0 in the low 256 bits of each v[i], row 1
+ * in the high 256. Every instruction of decode_block8 works within 128-bit lanes, so each half
+ * holds exactly decode_block8's bits for its row. */
+static inline __attribute__((always_inline)) void decode_block8_pair(const uint8_t *restrict p0,
+                                                                     const uint8_t *restrict p1, uint8_t s0,
+                                                                     uint8_t s1, __m512 v[4]) {
+    const __m512i hi_t = _mm512_broadcast_i32x4(_mm_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x00,
+                                                              (char)0xBF, (char)0xBF, (char)0xBF, (char)0xC0,
+                                                              (char)0xC0, (char)0xC0, (char)0xC0));
+    const __m512i lo_t = _mm512_broadcast_i32x4(_mm_setr_epi8(0x00, 0x00, (char)0x80, (char)0xC0, 0x00, 0x40,
+                                                              (char)0x80, (char)0xC0, 0x00, 0x00, (char)0x80,
+                                                              (char)0xC0, 0x00, 0x40, (char)0x80, (char)0xC0));
+    const __m512i bytes = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p0))),
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p1)), 1);
+    const __m512i codes = _mm512_and_si512(_mm512_srlv_epi64(bytes, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)),
+                                           _mm512_set1_epi8(0x0F));
+    const __m512i h = _mm512_shuffle_epi8(hi_t, codes), l = _mm512_shuffle_epi8(lo_t, codes);
+    const __m512i b0 = _mm512_unpacklo_epi8(l, h), b1 = _mm512_unpackhi_epi8(l, h);
+    const __m512i z = _mm512_setzero_si512();
+    const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(e8m0(s0)), _mm512_set1_ps(e8m0(s1)));
+    v[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, b0)), sc);
+    v[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, b0)), sc);
+    v[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, b1)), sc);
+    v[3] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, b1)), sc);
+}
+
+/* 8 floats at x in both halves */
+static inline __m512 x8_twice(const float *x) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x))));
+}
+
+/* Weight rows per register tile of R x rows (the accumulators, R * ceil(C / 2), fit the 32 zmm
+ * registers beside the decoded block and the x loads). */
+#define PAIRED_MAX_R 4
+static const int PAIRED_COLS[PAIRED_MAX_R + 1] = {0, 16, 8, 6, 6};
+
+/* R rows of x (row stride K, PERM order) times C consecutive weight rows of one expert -> out[r * N +
+ * c]: weight rows 2q and 2q+1 decoded side by side (decode_block8_pair; an odd last row beside
+ * itself) straight into 16-lane accumulators, each half of which is one output's 8-lane accumulator
+ * in the tiles' order (k in steps of 8, lanes_sum): the bits of the panel path and of
+ * row_tile_packed, with each block decoded once for all R rows and half the instructions. R and C
+ * are constants at each call. */
+static inline __attribute__((always_inline)) void paired_tile_packed(const int R, const int C, const float *x,
+                                                                     int64_t K, const uint8_t *w, int64_t ws,
+                                                                     const uint8_t *s, int64_t ss, float *out,
+                                                                     int64_t N) {
+    const int pairs = (C + 1) / 2;
+    const int64_t row_scales = K / 32;
+    /* the next tile's weight rows, C * 16 bytes per block, when they are contiguous (see row_tiles.h) */
+    const char *pf = ws == K / 2 ? (const char *)(w + C * ws) : NULL;
+    __m512 a[PAIRED_MAX_R][8];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < pairs; q++) a[r][q] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < row_scales; b++) {
+        if (pf != NULL)
+            for (int64_t o = 0; o < 16 * C; o += 64) _mm_prefetch(pf + b * 16 * C + o, _MM_HINT_T0);
+#pragma GCC unroll 8
+        for (int q = 0; q < pairs; q++) {
+            const int c0 = 2 * q, c1 = 2 * q + 1 < C ? 2 * q + 1 : 2 * q;
+            __m512 v[4];
+            decode_block8_pair(w + c0 * ws + b * 16, w + c1 * ws + b * 16, s[c0 * ss + b], s[c1 * ss + b], v);
+            for (int i = 0; i < 4; i++)
+                for (int r = 0; r < R; r++) a[r][q] = _mm512_fmadd_ps(v[i], x8_twice(x + r * K + b * 32 + 8 * i), a[r][q]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < pairs; q++) {
+            out[r * N + 2 * q] = lanes_sum(_mm512_castps512_ps256(a[r][q]));
+            if (2 * q + 1 < C)
+                out[r * N + 2 * q + 1] = lanes_sum(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][q]), 1)));
+        }
+}
+
+/* the tile of R rows by weight rows [j, j + C) (C <= PAIRED_COLS[R]), each shape its own code */
+#define CASE(R, C) case (R) * 32 + (C): paired_tile_packed(R, C, x, K, we + j * ws, ws, se + j * ss, ss, out, N); break;
+static void rows_times_packed(int R, int C, const float *x, int64_t K, const uint8_t *we, int64_t ws,
+                              const uint8_t *se, int64_t ss, int64_t j, float *out, int64_t N) {
+    switch (R * 32 + C) {
+        CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(1, 5) CASE(1, 6) CASE(1, 7) CASE(1, 8)
+        CASE(1, 9) CASE(1, 10) CASE(1, 11) CASE(1, 12) CASE(1, 13) CASE(1, 14) CASE(1, 15) CASE(1, 16)
+        CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4) CASE(2, 5) CASE(2, 6) CASE(2, 7) CASE(2, 8)
+        CASE(3, 1) CASE(3, 2) CASE(3, 3) CASE(3, 4) CASE(3, 5) CASE(3, 6)
+        CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4) CASE(4, 5) CASE(4, 6)
+    }
+}
+#undef CASE
+#endif
+
 /* weight rows [j, j + C) of one expert's part (row strides ws, ss bytes) as float32 rows of K into panel */
 static void decode_rows(const uint8_t *we, int64_t ws, const uint8_t *se, int64_t ss, int64_t K, int64_t j, int C,
                         float *panel) {
@@ -202,8 +294,17 @@ static int grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, co
             const uint8_t *se = (const uint8_t *)(intptr_t)wt->scales[experts[g] * P + p];
             float *part_out = out + p * part_rows;  /* the part's first output column */
             const int64_t rows = t1 - t0;
-            const int cols = COLS_FOR_ROWS[rows < MAX_R ? rows : MAX_R];
             const int64_t j1 = (c + 1) * ROW_CHUNK < part_rows ? (c + 1) * ROW_CHUNK : part_rows;
+#ifdef PAIRED_ROWS
+            if (rows <= PAIRED_MAX_R) {  /* a few rows: blocks decoded in registers, no panel */
+                const int pc = PAIRED_COLS[rows];
+                for (int64_t j = c * ROW_CHUNK; j < j1; j += pc)
+                    rows_times_packed((int)rows, j1 - j < pc ? (int)(j1 - j) : pc, x + t0 * K, K, we, ws, se, ss, j,
+                                      part_out + t0 * N + j, N);
+                continue;
+            }
+#endif
+            const int cols = COLS_FOR_ROWS[rows < MAX_R ? rows : MAX_R];
             for (int64_t j = c * ROW_CHUNK; j < j1; j += cols) {
                 const int C = j1 - j < cols ? (int)(j1 - j) : cols;
 #ifdef TILE_AVX2
