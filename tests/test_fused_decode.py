@@ -173,9 +173,10 @@ def test_router_weight_cast_follows_in_place_updates():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["situ", "swiglu"])
 def test_packed_experts_in_one_call_equal_the_grouped_path_bitwise(monkeypatch, dtype, act):
-    """PackedExperts.forward at 1, 3 and the most tokens it takes: the one-call kernel == the grouped-GEMM path,
-    bit for bit; both == the float64 experts within rounding; a token's
-    bits alone == in the batch."""
+    """PackedExperts.forward at 1, 3, 16 and the most tokens it takes (128): the one-call kernel == the
+    grouped-GEMM path, bit for bit where that path's activation is the same C code (up to
+    FUSED_MAX_ROWS slots; past it torch's, within rounding); both == the float64 experts within
+    rounding; a token's bits alone == in the batch."""
     config = replace(tiny_k3(), hidden_act=act)
     dense_experts = Experts(config)
     torch.manual_seed(14)
@@ -184,7 +185,7 @@ def test_packed_experts_in_one_call_equal_the_grouped_path_bitwise(monkeypatch, 
     packed = PackedExperts.from_dense(dense_experts)
     E, k = config.num_experts, config.num_experts_per_token
     gen = torch.Generator().manual_seed(15)
-    for T in (1, 3, fused_decode.FUSED_MAX_ROWS // k):
+    for T in (1, 3, fused_decode.FUSED_MAX_ROWS // k, fused_decode.PACKED_EXPERTS_MAX_SLOTS // k):
         h = torch.randn(T, config.expert_hidden_size, generator=gen).to(dtype)
         ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
         w = torch.rand(T, k, generator=gen)
@@ -195,7 +196,11 @@ def test_packed_experts_in_one_call_equal_the_grouped_path_bitwise(monkeypatch, 
             with monkeypatch.context() as m:  # the grouped-GEMM path (its activation is the same C code)
                 m.setattr(fused_decode, "packed_experts", lambda *a: calls.append(1))
                 want = packed(h, ids, w)
-        assert calls and torch.equal(got, want) and torch.equal(got, alone)
+        assert calls and torch.equal(got, alone)
+        if T * k <= fused_decode.FUSED_MAX_ROWS:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         ref = torch.zeros(T, h.shape[1], dtype=torch.float64)
         deq = {leaf: torch.stack([dequantize_mxfp4(packed.target(leaf, "packed")[e], packed.target(leaf, "scale")[e],
                                                    torch.float64) for e in range(E)]) for leaf in ("w1", "w3", "w2")}

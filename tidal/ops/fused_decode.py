@@ -36,10 +36,14 @@ from tidal.ops.cpu_kernels import (
 )
 
 _DTYPES = (torch.float32, torch.bfloat16)
-# Rows up to which the activation and the one-call experts run in C: there dispatch costs more than
+# Rows up to which the activation, the router and the MLP step run in C: there dispatch costs more than
 # the arithmetic; past it torch's vectorised, threaded ops are faster. Under batch invariance they
 # run in C at every size (a row's bits must not depend on the batch).
 FUSED_MAX_ROWS = 64
+# Token slots (tokens x top-k) up to which the routed experts run as one call: its gather,
+# activation and weighted sum run on one thread, which past this costs more than torch's threaded
+# glue saves around the same grouped GEMM (a prefill chunk); the bits are the same either way.
+PACKED_EXPERTS_MAX_SLOTS = 512
 MAX_HEAD_DIM = 1024  # the kernel's per-head arrays live on its stack
 
 
@@ -143,7 +147,8 @@ def packed_experts(
     """:meth:`tidal.model.moe.PackedExperts.forward` (all experts local) in one call: h [T, d], ids
     [T, k], weights [T, k] -> float32 [T, d], the same bits as the grouped-GEMM path. ``w13``: gate |
     up (2I rows), ``w2``: the down projection (one part)."""
-    if (not _applies(h) or not _small(ids.numel()) or not _rows_ok(h) or ids.shape != weights.shape or ids.dim() != 2
+    if (not _applies(h) or not (ids.numel() <= PACKED_EXPERTS_MAX_SLOTS or batch_invariant.enabled())
+            or not _rows_ok(h) or ids.shape != weights.shape or ids.dim() != 2
             or w2.parts != 1):
         return None
     fn = mxfp4_moe_kernel()
