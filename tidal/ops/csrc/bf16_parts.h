@@ -18,6 +18,15 @@ static inline __m256 load8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 #define TILE_LOAD8 load8
+#ifdef __AVX512F__
+/* 8 weights of row p0 (low 256 bits) and of row p1 (high), widened as load8 does */
+static inline __m512 load8_pair(const uint16_t *p0, const uint16_t *p1) {
+    const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p0)),
+                                              _mm_loadu_si128((const __m128i *)p1), 1);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#define TILE_LOAD8_PAIR load8_pair
+#endif
 #define TILE_PREFETCH 1
 #endif
 

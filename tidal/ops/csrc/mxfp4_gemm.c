@@ -37,6 +37,13 @@
 #include <immintrin.h>
 #define TILE_AVX2 1
 #define TILE_LOAD8 _mm256_loadu_ps
+#ifdef __AVX512F__
+static inline __m512 load8_pair(const float *p0, const float *p1) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(p0))),
+                                               _mm256_castps_pd(_mm256_loadu_ps(p1)), 1));
+}
+#define TILE_LOAD8_PAIR load8_pair
+#endif
 #endif
 #define TILE_W float
 #define TILE_VALUE(v) (v)

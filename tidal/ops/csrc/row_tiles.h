@@ -29,7 +29,16 @@
 #ifndef TILE_COLS_4
 #define TILE_COLS_4 3
 #endif
+#if defined(TILE_AVX2) && defined(__AVX512F__) && defined(TILE_LOAD8_PAIR)
+/* AVX-512 (TILE_LOAD8_PAIR(p0, p1): 8 weights of two rows, p0's in the low 256 bits): tiles of 2 to 4
+ * rows hold two weight rows' accumulators per 16-lane register, each half one output's 8-lane
+ * accumulator in the order above (the same bits, half the multiply-add instructions), 8 weight rows
+ * wide (32 registers). One row keeps the 1 x 8 tile: it streams weights from memory. */
+#define TILE_PAIRED 1
+static const int COLS_FOR_ROWS[MAX_R + 1] = {0, 8, 8, 8, 8};
+#else
 static const int COLS_FOR_ROWS[MAX_R + 1] = {0, 8, 6, 4, TILE_COLS_4};
+#endif
 
 /* the tail k in [K8, K) of one output, in order */
 static inline float tile_tail(float s, const float *x, const TILE_W *w, int64_t K8, int64_t K) {
@@ -82,6 +91,40 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) out[r * N + c] = tile_tail(lanes_sum(a[r][c]), x + r * K, w + c * ws, K8, K);
 }
+
+#ifdef TILE_PAIRED
+/* R rows of x times C weight rows, rows 2q and 2q+1 side by side (an odd last row beside itself) */
+static inline __attribute__((always_inline)) void tile_paired(const int R, const int C, const float *x, int64_t K,
+                                                              const TILE_W *w, int64_t ws, float *out, int64_t N,
+                                                              const char *pf) {
+    const int64_t K8 = K / 8 * 8;
+    const int P = (C + 1) / 2;
+    __m512 a[MAX_R][MAX_C / 2];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < P; q++) a[r][q] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K8; k += 8) {
+#ifdef TILE_PREFETCH
+        if (pf != NULL)
+            for (int64_t b = 0; b < C * 8 * (int64_t)sizeof(TILE_W); b += 64)
+                _mm_prefetch(pf + k * C * (int64_t)sizeof(TILE_W) + b, _MM_HINT_T0);
+#endif
+        __m512 wv[MAX_C / 2];
+        for (int q = 0; q < P; q++)
+            wv[q] = TILE_LOAD8_PAIR(w + 2 * q * ws + k, w + (2 * q + 1 < C ? 2 * q + 1 : 2 * q) * ws + k);
+        for (int r = 0; r < R; r++) {
+            const __m512 xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x + r * K + k))));
+            for (int q = 0; q < P; q++) a[r][q] = _mm512_fmadd_ps(wv[q], xv, a[r][q]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < P; q++) {
+            const __m256 lo = _mm512_castps512_ps256(a[r][q]);
+            const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][q]), 1));
+            out[r * N + 2 * q] = tile_tail(lanes_sum(lo), x + r * K, w + 2 * q * ws, K8, K);
+            if (2 * q + 1 < C) out[r * N + 2 * q + 1] = tile_tail(lanes_sum(hi), x + r * K, w + (2 * q + 1) * ws, K8, K);
+        }
+}
+#endif
 #else
 static inline void tile(const int R, const int C, const float *x, int64_t K, const TILE_W *w, int64_t ws,
                         float *out, int64_t N, const char *pf) {
@@ -102,16 +145,26 @@ static inline void tile(const int R, const int C, const float *x, int64_t K, con
 
 /* the tile of R rows by C weight rows (C <= COLS_FOR_ROWS[R]), each shape its own specialised code */
 #define CASE(R, C) case (R) * 16 + (C): tile(R, C, x, K, w, ws, out, N, pf); break;
+#ifdef TILE_PAIRED
+#define PCASE(R, C) case (R) * 16 + (C): tile_paired(R, C, x, K, w, ws, out, N, pf); break;
+#define PCASES(R) PCASE(R, 1) PCASE(R, 2) PCASE(R, 3) PCASE(R, 4) PCASE(R, 5) PCASE(R, 6) PCASE(R, 7) PCASE(R, 8)
+#endif
 static void any_tile(int R, int C, const float *x, int64_t K, const TILE_W *w, int64_t ws, float *out, int64_t N,
                      const char *pf) {
     switch (R * 16 + C) {
         CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(1, 5) CASE(1, 6) CASE(1, 7) CASE(1, 8)
+#ifdef TILE_PAIRED
+        PCASES(2) PCASES(3) PCASES(4)
+#else
         CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4) CASE(2, 5) CASE(2, 6)
         CASE(3, 1) CASE(3, 2) CASE(3, 3) CASE(3, 4)
         CASE(4, 1) CASE(4, 2) CASE(4, 3)
+#endif
     }
 }
 #undef CASE
+#undef PCASE
+#undef PCASES
 
 /* rows [t0, t1) of x times weight rows [j0, j1) (w points at row j0) into out (row stride N, at
  * column j0): weight-row panels of the tile width, all row tiles under each panel. Under
