@@ -26,6 +26,7 @@ static inline __m512 load8_pair(const uint16_t *p0, const uint16_t *p1) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 #define TILE_LOAD8_PAIR load8_pair
+#define TILE_WIDEN_PANEL 1
 #endif
 #define TILE_PREFETCH 1
 #endif

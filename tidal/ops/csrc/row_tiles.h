@@ -22,6 +22,7 @@
  * streams the hardware follows by itself (measured no faster with it). Prefetches change no result.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #define MAX_R 4
 #define TILE_PREFETCH_MAX_ROW_BYTES 2048
@@ -93,6 +94,20 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
 }
 
 #ifdef TILE_PAIRED
+/* each half of the paired accumulators a[r][q] -> its output: lanes_sum, then the K % 8 tail */
+static inline __attribute__((always_inline)) void paired_outputs(const int R, const int C, __m512 a[MAX_R][MAX_C / 2],
+                                                                 const float *x, int64_t K, const TILE_W *w,
+                                                                 int64_t ws, float *out, int64_t N) {
+    const int64_t K8 = K / 8 * 8;
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < (C + 1) / 2; q++) {
+            const __m256 lo = _mm512_castps512_ps256(a[r][q]);
+            const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][q]), 1));
+            out[r * N + 2 * q] = tile_tail(lanes_sum(lo), x + r * K, w + 2 * q * ws, K8, K);
+            if (2 * q + 1 < C) out[r * N + 2 * q + 1] = tile_tail(lanes_sum(hi), x + r * K, w + (2 * q + 1) * ws, K8, K);
+        }
+}
+
 /* R rows of x times C weight rows, rows 2q and 2q+1 side by side (an odd last row beside itself) */
 static inline __attribute__((always_inline)) void tile_paired(const int R, const int C, const float *x, int64_t K,
                                                               const TILE_W *w, int64_t ws, float *out, int64_t N,
@@ -116,13 +131,7 @@ static inline __attribute__((always_inline)) void tile_paired(const int R, const
             for (int q = 0; q < P; q++) a[r][q] = _mm512_fmadd_ps(wv[q], xv, a[r][q]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int q = 0; q < P; q++) {
-            const __m256 lo = _mm512_castps512_ps256(a[r][q]);
-            const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][q]), 1));
-            out[r * N + 2 * q] = tile_tail(lanes_sum(lo), x + r * K, w + 2 * q * ws, K8, K);
-            if (2 * q + 1 < C) out[r * N + 2 * q + 1] = tile_tail(lanes_sum(hi), x + r * K, w + (2 * q + 1) * ws, K8, K);
-        }
+    paired_outputs(R, C, a, x, K, w, ws, out, N);
 }
 #endif
 #else
@@ -170,9 +179,70 @@ static void any_tile(int R, int C, const float *x, int64_t K, const TILE_W *w, i
  * column j0): weight-row panels of the tile width, all row tiles under each panel. Under
  * TILE_PREFETCH, with contiguous weight rows (ws == K), the first row tile of each panel prefetches
  * the next panel (up to j1 + one panel: the next work item's first rows). */
+#if defined(TILE_PAIRED) && defined(TILE_WIDEN_PANEL)
+/* TILE_WIDEN_PANEL (16-bit weights): with two row tiles or more under a panel, its C weight rows are
+ * widened to float32 once, into an L1 buffer laid out as the paired tiles read them (pair q, k step
+ * s: 16 floats at (q * K8 / 8 + s) * 16), instead of once per row tile. The products and their order
+ * are tile_paired's (the K % 8 tail reads the weights themselves): the same bits. Below
+ * WIDEN_MIN_ROWS rows the widening's stores and reloads cost more than they save. */
+#define WIDEN_MIN_ROWS (8 * MAX_R)
+static inline __attribute__((always_inline)) void tile_widened(const int R, const int C, const float *x, int64_t K,
+                                                               const float *panel, const TILE_W *w, int64_t ws,
+                                                               float *out, int64_t N) {
+    const int64_t K8 = K / 8 * 8, S = K8 / 8;
+    const int P = (C + 1) / 2;
+    __m512 a[MAX_R][MAX_C / 2];
+    for (int r = 0; r < R; r++)
+        for (int q = 0; q < P; q++) a[r][q] = _mm512_setzero_ps();
+    for (int64_t st = 0; st < S; st++) {
+        __m512 wv[MAX_C / 2];
+        for (int q = 0; q < P; q++) wv[q] = _mm512_loadu_ps(panel + (q * S + st) * 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x + r * K + 8 * st))));
+            for (int q = 0; q < P; q++) a[r][q] = _mm512_fmadd_ps(wv[q], xv, a[r][q]);
+        }
+    }
+    paired_outputs(R, C, a, x, K, w, ws, out, N);
+}
+
+#define WCASE(R, C) case (R) * 16 + (C): tile_widened(R, C, x, K, panel, w, ws, out, N); break;
+#define WCASES(R) WCASE(R, 1) WCASE(R, 2) WCASE(R, 3) WCASE(R, 4) WCASE(R, 5) WCASE(R, 6) WCASE(R, 7) WCASE(R, 8)
+static void any_widened_tile(int R, int C, const float *x, int64_t K, const float *panel, const TILE_W *w, int64_t ws,
+                             float *out, int64_t N) {
+    switch (R * 16 + C) { WCASES(1) WCASES(2) WCASES(3) WCASES(4) }
+}
+#undef WCASE
+#undef WCASES
+
+/* rows_times_panel's work through widened panels; returns 0, or -1 (nothing done) without memory */
+static int rows_times_widened(const float *x, int64_t K, int64_t t0, int64_t t1, const TILE_W *w, int64_t ws,
+                              int64_t j0, int64_t j1, float *out, int64_t N) {
+    const int64_t S = K / 8;
+    float *panel = malloc(sizeof(float) * (size_t)(MAX_C / 2 * S * 16 + 1));
+    if (panel == NULL) return -1;
+    for (int64_t j = j0; j < j1; j += MAX_C) {
+        const int C = j1 - j < MAX_C ? (int)(j1 - j) : MAX_C;
+        const TILE_W *wj = w + (j - j0) * ws;
+        for (int q = 0; q < (C + 1) / 2; q++) {
+            const TILE_W *w0 = wj + 2 * q * ws, *w1 = wj + (2 * q + 1 < C ? 2 * q + 1 : 2 * q) * ws;
+            for (int64_t st = 0; st < S; st++) _mm512_storeu_ps(panel + (q * S + st) * 16, TILE_LOAD8_PAIR(w0 + 8 * st, w1 + 8 * st));
+        }
+        for (int64_t t = t0; t < t1; t += MAX_R) {
+            const int R = t1 - t < MAX_R ? (int)(t1 - t) : MAX_R;
+            any_widened_tile(R, C, x + t * K, K, panel, wj, ws, out + t * N + j, N);
+        }
+    }
+    free(panel);
+    return 0;
+}
+#endif
+
 static void rows_times_panel(const float *x, int64_t K, int64_t t0, int64_t t1, const TILE_W *w, int64_t ws,
                              int64_t j0, int64_t j1, float *out, int64_t N) {
     const int64_t rows = t1 - t0;
+#if defined(TILE_PAIRED) && defined(TILE_WIDEN_PANEL)
+    if (rows >= WIDEN_MIN_ROWS && rows_times_widened(x, K, t0, t1, w, ws, j0, j1, out, N) == 0) return;
+#endif
     const int cols = COLS_FOR_ROWS[rows < MAX_R ? rows : MAX_R];
     for (int64_t j = j0; j < j1; j += cols) {
         const int C = j1 - j < cols ? (int)(j1 - j) : cols;
