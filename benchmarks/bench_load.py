@@ -25,6 +25,10 @@ weights on the CPU it copies nothing, ``tidal.model.layers.keeps_apart``) and th
 that to cat. A mapped load has read its pages and mapped them (MADV_POPULATE_READ) before it
 returns, so the first forward pass reads no file. Each line ends with the load average.
 
+``--tree NAME=PATH`` (repeat) loads with other tidal checkouts too, each round in turn (reversed
+every other round) on the same checkpoint, each load after its own cat: A/B figures from one
+command. ``--checkpoint DIR`` loads an existing checkpoint instead of writing one.
+
 ``--experts mxfp4`` writes the routed experts as MXFP4 (compressed-tensors ``weight_packed`` /
 ``weight_scale``, the expert count grown to the same --size-gb) and loads them packed
 (``quantization="mxfp4"``): mapped, each expert's codes and scales stay in the file's mapping
@@ -130,6 +134,15 @@ def load_on_ranks(path: Path, tp: int, ep: int, mmap: bool, quantization: str | 
     return sum(b for b, _, _ in results), max(r[1] for r in results), max(r[2] for r in results)
 
 
+RANKS = """
+import sys
+sys.path[:0] = [{root!r}, {root!r} + "/benchmarks"]
+from pathlib import Path
+from bench_load import load_on_ranks
+print(*load_on_ranks(Path({ckpt!r}), {tp}, {ep}, {mmap}, {quant!r}))
+"""
+
+
 def in_fresh_process_pair(code: str) -> tuple[float, float]:
     """The two numbers a timed snippet prints, run in a new Python process."""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
@@ -149,31 +162,41 @@ def main() -> None:
                     help="--safetensors-load-strategy of the loads, each after its own cat (lazy: mapped; eager: copied)")
     ap.add_argument("--experts", default="bf16", choices=["bf16", "mxfp4"],
                     help="routed experts on disk and in memory: bf16, or MXFP4 loaded packed")
+    ap.add_argument("--tree", action="append", default=None,
+                    help="NAME=PATH of a tidal checkout to load with (repeat; default: this one)")
+    ap.add_argument("--checkpoint", default=None, help="an existing checkpoint directory (default: write one)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     packed = args.experts == "mxfp4"
-    config = big_config(args.size_gb, packed)
+    trees = dict(t.split("=", 1) for t in args.tree) if args.tree else {"this": str(ROOT)}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        out = Path(tmp) / "ckpt"
-        with torch.device("meta"):
-            meta = KimiForCausalLM(config)
-        model = meta.to_empty(device="cpu")
-        for p in model.parameters():
-            p.data.normal_(0, 0.02)
-        save_model(model.to_dtype(torch.bfloat16), out, max_shard_bytes=256 << 20, expert_format=MXFP4 if packed else None)
-        del model, meta
+        out = Path(args.checkpoint) if args.checkpoint else Path(tmp) / "ckpt"
+        if not args.checkpoint:
+            config = big_config(args.size_gb, packed)
+            with torch.device("meta"):
+                meta = KimiForCausalLM(config)
+            model = meta.to_empty(device="cpu")
+            for p in model.parameters():
+                p.data.normal_(0, 0.02)
+            save_model(model.to_dtype(torch.bfloat16), out, max_shard_bytes=256 << 20,
+                       expert_format=MXFP4 if packed else None)
+            del model, meta
         files = sorted(out.glob("*.safetensors"))
         size = sum(f.stat().st_size for f in files)
-        print(f"checkpoint: {len(files)} shards, {size / 1e9:.2f} GB, {config.num_experts} experts ({args.experts})")
+        print(f"checkpoint: {len(files)} shards, {size / 1e9:.2f} GB ({args.experts} experts)")
         t_mem = in_fresh_process(FRESH_MEMORY.format(n=size))
         print(f"fresh memory: {size / t_mem / 1e9:.2f} GB/s ({t_mem:.2f} s for the checkpoint's bytes)")
         for tp in args.tp_size:
-            for _ in range(args.rounds):
-                for strategy in args.strategy:  # the cat runs before each load
-                    _round(files, size, out, tp, args.ep_size, strategy, "mxfp4" if packed else None)
+            for r in range(args.rounds):
+                order = list(trees.items())
+                for name, tree in order if r % 2 == 0 else order[::-1]:
+                    for strategy in args.strategy:  # the cat runs before each load
+                        _round(files, size, out, tp, args.ep_size, strategy, "mxfp4" if packed else None,
+                               tree, name if len(trees) > 1 else "")
 
 
-def _round(files: list[Path], size: int, out: Path, tp: int, ep: int, strategy: str, quantization: str | None) -> None:
+def _round(files: list[Path], size: int, out: Path, tp: int, ep: int, strategy: str, quantization: str | None,
+           tree: str = str(ROOT), tree_name: str = "") -> None:
     """cat, then one load, each after dropping the page cache; prints one line."""
     mmap = strategy == "lazy"
     cold = drop_caches()
@@ -184,16 +207,22 @@ def _round(files: list[Path], size: int, out: Path, tp: int, ep: int, strategy: 
     drop_caches()
     before_load = cached_bytes(files)
     if tp == 1:
-        t_prep, t_load = in_fresh_process_pair(LOAD.format(root=str(ROOT), ckpt=str(out), mmap=mmap, quant=quantization))
+        t_prep, t_load = in_fresh_process_pair(LOAD.format(root=tree, ckpt=str(out), mmap=mmap, quant=quantization))
         read = size
-    else:
+    elif tree == str(ROOT):
         read, t_load, t_prep = load_on_ranks(out, tp, ep, mmap, quantization)
+    else:  # the ranks import the other checkout's tidal
+        code = RANKS.format(root=tree, ckpt=str(out), tp=tp, ep=ep, mmap=mmap, quant=quantization)
+        got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+        b, t_load, t_prep = got.stdout.split()[-3:]
+        read, t_load, t_prep = int(b), float(t_load), float(t_prep)
     prep = (f"   then process_weights_after_loading {t_prep:.2f} s "
             f"(load + that: {read / (t_load + t_prep) / (size / t_cat):.2f} of cat)")
     state = "cold page cache" if cold else "warm page cache (could not drop caches)"
     cached = ("" if before_cat is None else
               f", cached before cat {before_cat / size:.0%}, before load {before_load / size:.0%}")
     what = f"load_model ({strategy})" if tp == 1 else f"{tp} ranks (ep {ep}, {strategy}), {read / 1e9:.2f} GB read"
+    what = f"{tree_name} {what}" if tree_name else what
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     print(f"[{state}{cached}] cat: {size / t_cat / 1e9:.2f} GB/s ({t_cat:.2f} s)   "
           f"{what}: {read / t_load / 1e9:.2f} GB/s ({t_load:.2f} s)   "

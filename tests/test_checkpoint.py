@@ -277,6 +277,24 @@ def test_index_points_to_missing_shard(tmp_path):
     assert victim in msg and name in msg and "missing" in msg
 
 
+def test_shard_headers_read_ahead_equal_the_checked_ones_and_bad_shards_are_left_to_safe_open(tmp_path):
+    """_read_headers (every shard's header at once, before safe_open) gives each shard's data start
+    and header as a plain read of it does; a truncated or garbage shard is left out, and loading
+    names it as it does without the read ahead."""
+    save_model(random_model(presets.tiny_k3()), tmp_path, max_shard_bytes=30_000)
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(files) > 4
+    assert checkpoint._read_headers(tmp_path, files) == {f: checkpoint._data_start(tmp_path / f) for f in files}
+    garbage, short, huge = files[1], files[2], files[3]
+    (tmp_path / garbage).write_bytes(b"\x05")
+    data = (tmp_path / short).read_bytes()
+    (tmp_path / short).write_bytes(data[: 8 + int.from_bytes(data[:8], "little") // 2])  # half a header
+    (tmp_path / huge).write_bytes(b"\xff" * 64)  # a header length past any file: never allocated
+    assert set(checkpoint._read_headers(tmp_path, files)) == set(files) - {garbage, short, huge}
+    msg = load_error(tmp_path)
+    assert garbage in msg and "corrupt" in msg, msg
+
+
 def test_index_lists_tensor_absent_from_its_shard(tmp_path):
     save_model(random_model(presets.tiny_k3()), tmp_path, max_shard_bytes=30_000)
     path = tmp_path / "model.safetensors.index.json"

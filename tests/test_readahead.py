@@ -3,7 +3,10 @@ and the read-ahead hands tensors back in order, within its byte budget, errors i
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import mmap
+import os
 import json
 import struct
 import subprocess
@@ -15,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tidal.model.readahead import JOBS_PER_THREAD, read_ahead, read_block
+from tidal.model.readahead import JOBS_PER_THREAD, EarlyReads, read_ahead, read_block
 
 
 def test_read_block_equals_slicing(tmp_path) -> None:
@@ -92,17 +95,25 @@ def test_read_ahead_takes_jobs_only_as_it_starts_them() -> None:
     assert taken == list(range(40))
 
 
-def test_a_meta_model_does_not_import_torch_dynamo() -> None:
-    """Building the model on the meta device (every load does) never initialises a meta tensor
-    through torch._refs, whose first use imports torch._dynamo (seconds and ~75 MB)."""
+@pytest.mark.parametrize("build", ["KimiForCausalLM(config)",
+                                   "build_rank_model(config, RankPlace(1, 2, 2), Collectives(RankPlace(1, 2, 2), None, None))"])
+def test_a_meta_model_is_not_initialised(build) -> None:
+    """Building the model, or a rank's (vocabulary-parallel lm_head included), on the meta device
+    (every load does) runs none of torch.nn.init: on a meta tensor it goes through torch._refs,
+    whose first use imports torch._dynamo (seconds and ~75 MB), and through code of libtorch a
+    process has not run yet (a tenth of a second of a rank's load when the page cache is cold)."""
     code = ("import sys, torch\nfrom tidal.model.kimi import KimiForCausalLM\nfrom tidal.config import ModelConfig\n"
-            "from tidal.presets import tiny_k3_dict\n"
-            "with torch.device('meta'):\n    KimiForCausalLM(ModelConfig.from_dict(tiny_k3_dict()))\n"
-            "print('torch._dynamo' in sys.modules)")
+            "from tidal.parallel.groups import Collectives, RankPlace\nfrom tidal.parallel.shard import build_rank_model\n"
+            "from tidal.presets import tiny_k3_dict\nconfig = ModelConfig.from_dict(tiny_k3_dict())\ncalls = []\n"
+            "for name in ('kaiming_uniform_', 'uniform_', 'normal_', 'zeros_', 'ones_'):\n"
+            "    f = getattr(torch.nn.init, name)\n"
+            "    setattr(torch.nn.init, name, lambda *a, f=f, name=name, **k: calls.append(name) or f(*a, **k))\n"
+            f"with torch.device('meta'):\n    {build}\n"
+            "print('torch._dynamo' in sys.modules, sorted(set(calls)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[-1] == "False"
+    assert out.stdout.strip().splitlines()[-1] == "False []"
 
 
 def test_mapped_views_are_populated_in_ranges_of_a_few_jobs(tmp_path, monkeypatch):
@@ -130,3 +141,52 @@ def test_mapped_views_are_populated_in_ranges_of_a_few_jobs(tmp_path, monkeypatc
     results = [job() for _, _, job in out]
     assert jobs_ranges == [[(0, 3000)], [(3000, 4000), (4096, 8192), (9000, 9000 + 29 * 100 + 40)], [(12000, 16384)]]
     assert results[2][2] is columns and [t.data_ptr() for t in results[0]] == [whole[0:1].data_ptr(), whole[1000:1001].data_ptr()]
+
+
+def _cached_pages(path: Path) -> list[bool]:
+    """Which pages of ``path`` are in the page cache (mincore over a mapping of it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    size = path.stat().st_size
+    vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        at = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert libc.mincore(ctypes.c_void_p(at), ctypes.c_size_t(size), vec) == 0
+        libc.munmap(ctypes.c_void_p(at), ctypes.c_size_t(size))
+    finally:
+        os.close(fd)
+    return [bool(b & 1) for b in vec]
+
+
+def _uncached(path: Path, nbytes: int) -> Path:
+    """A file of ``nbytes`` random bytes, written through and dropped from the page cache."""
+    path.write_bytes(os.urandom(nbytes))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return path
+
+
+@pytest.mark.parametrize("sendfile", [True, False])
+def test_early_reads_bring_the_pieces_into_the_page_cache(tmp_path, monkeypatch, sendfile) -> None:
+    """EarlyReads reads its pieces into the page cache (by sendfile, or plain reads where sendfile
+    fails), at most limit_bytes of them, and a piece that cannot be read ends them without raising."""
+    if not sendfile:
+        def no_sendfile(*args):
+            raise OSError("sendfile unavailable")
+        monkeypatch.setattr(os, "sendfile", no_sendfile)
+    page, mb = mmap.PAGESIZE, 1 << 20
+    a, b = _uncached(tmp_path / "a", 8 * mb), _uncached(tmp_path / "b", 64 * mb)
+    if any(_cached_pages(a)) or sum(_cached_pages(b)) > len(_cached_pages(b)) // 4:
+        pytest.skip("this file system keeps written files in the page cache (tmpfs?)")
+    EarlyReads([(a, 2 * mb, 4 * mb), (b, 0, 48 * mb)], limit_bytes=12 * mb).join()
+    got_a, got_b = _cached_pages(a), _cached_pages(b)
+    assert all(got_a[2 * mb // page : 6 * mb // page])
+    assert all(got_b[: 8 * mb // page])  # the rest of the 12 MB limit
+    assert sum(got_b) * page < 40 * mb  # not all 48 MB asked for (the kernel reads a little ahead)
+    EarlyReads([(tmp_path / "missing", 0, mb), (a, 0, mb)]).join()  # no error: the load reports it

@@ -20,6 +20,7 @@ import re
 import struct
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from tidal.model.kimi import FP32_PARAMS, KimiForCausalLM
 from tidal.model.layers import compute_dtype
 from tidal.model.moe import PackedExperts, pack_experts
 from tidal.model.mapped import MappedFiles, coalesce
-from tidal.model.readahead import read_ahead, read_block, read_budget
+from tidal.model.readahead import EarlyReads, read_ahead, read_block, read_budget
 from tidal.ops.mxfp import BLOCK, E8M0_NAN, dequantize_mxfp4, quantize_mxfp4
 
 log = logging.getLogger("tidal.load")
@@ -294,6 +295,33 @@ def _data_start(path: Path) -> tuple[int, dict[str, Any]]:
         return 8 + n, json.loads(f.read(n))
 
 
+HEADER_THREADS = 8
+
+
+def _read_headers(root: Path, files: list[str]) -> dict[str, tuple[int, dict[str, Any]]]:
+    """:func:`_data_start` of every file, HEADER_THREADS at a time: a header read from a cold disk is
+    a round trip of milliseconds, and one file after another they cost a checkpoint of tens of
+    shards a tenth of a second or more before its first byte of data is read. A file that cannot be
+    read as a header (missing, short, malformed) is left out, for ``safe_open`` to diagnose."""
+
+    def header(file: str) -> tuple[int, dict[str, Any]] | None:
+        path = root / file
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                head = f.read(8)
+                n = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+                if n > size - 8:
+                    return None
+                parsed = json.loads(f.read(n))
+            return (8 + n, parsed) if isinstance(parsed, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    with ThreadPoolExecutor(max(1, min(HEADER_THREADS, len(files))), thread_name_prefix="tidal-header") as pool:
+        return {file: h for file, h in zip(files, pool.map(header, files)) if h is not None}
+
+
 def read_config(model_dir: Path) -> ModelConfig:
     path = model_dir / "config.json"
     try:
@@ -334,6 +362,17 @@ def _open_file(stack: contextlib.ExitStack, path: Path, names: list[str]) -> Any
         raise _diagnose(path, e, names) from None
 
 
+def checkpoint_files(root: Path) -> list[Path]:
+    """The checkpoint's safetensors files in name order (the order a load reads them), from its
+    index alone; [] where that cannot tell (``_open`` then names the problem)."""
+    if (root / SINGLE_FILE).is_file():
+        return [root / SINGLE_FILE]
+    try:
+        return [root / f for f in sorted(set(json.loads((root / INDEX_FILE).read_text())["weight_map"].values()))]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+
+
 def _open(stack: contextlib.ExitStack, root: Path) -> _Checkpoint:
     """The checkpoint's files opened (safetensors handles for the checks, a descriptor and the
     header of each file for the reads), closed by ``stack``."""
@@ -341,7 +380,8 @@ def _open(stack: contextlib.ExitStack, root: Path) -> _Checkpoint:
     for file in ckpt.handles:
         ckpt.fds[file] = os.open(root / file, os.O_RDONLY)
         stack.callback(os.close, ckpt.fds[file])
-        ckpt.headers[file] = _data_start(root / file)
+        if file not in ckpt.headers:
+            ckpt.headers[file] = _data_start(root / file)
     return ckpt
 
 
@@ -361,6 +401,7 @@ def _open_handles(stack: contextlib.ExitStack, root: Path) -> _Checkpoint:
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         by_file.setdefault(file, []).append(name)
+    headers = _read_headers(root, list(by_file))  # then safe_open finds each header in the page cache
     handles = {}
     for file, names in by_file.items():
         path = root / file
@@ -375,7 +416,7 @@ def _open_handles(stack: contextlib.ExitStack, root: Path) -> _Checkpoint:
         for name in present - set(names):
             if not name.startswith(VISION_PREFIXES):
                 raise CheckpointError(f"unexpected tensor '{name}' in {path}: not listed in {index}")
-    return _Checkpoint(root, INDEX_FILE, handles, dict(weight_map))
+    return _Checkpoint(root, INDEX_FILE, handles, dict(weight_map), headers=headers)
 
 
 # transformers' kimi_linear renames every ``.mlp.`` to ``.block_sparse_moe.`` when it saves
@@ -468,25 +509,6 @@ class _Progress:
         )
 
 
-# The first this many bytes of a load's reads are asked for before the model is built. The kernel
-# starts only a few MB of a POSIX_FADV_WILLNEED request, so this overlaps little of the build (a
-# reader thread of our own, through a buffer, competes with the load's populate and is slower).
-EARLY_BYTES = 512 << 20
-
-
-def read_early(ckpt: _Checkpoint, pieces: Iterable[tuple[str, int, int]]) -> None:
-    """Ask for read-ahead (POSIX_FADV_WILLNEED: asynchronous, into the page cache) of the first
-    EARLY_BYTES of ``pieces``, (file, offset, bytes) in the order the load reads them."""
-    left = EARLY_BYTES
-    for file, offset, nbytes in pieces:
-        if left <= 0:
-            return
-        take = min(nbytes, left)
-        if take > 0:
-            os.posix_fadvise(ckpt.fds[file], offset, take, os.POSIX_FADV_WILLNEED)
-            left -= take
-
-
 @contextlib.contextmanager
 def _one_thread():
     """Copies out of the memory map are bandwidth-bound: one thread runs them at memory speed, while
@@ -569,9 +591,10 @@ def load_model(
     keep_packed = quantization is not None and resolve_quantization(config, quantization) == "mxfp4"
     with contextlib.ExitStack() as stack:
         stack.enter_context(_one_thread())
+        # every file front to back, as this load reads them, from before the files are even opened
+        early = EarlyReads((path, 0, path.stat().st_size) for path in checkpoint_files(root))
+        stack.callback(early.close)
         ckpt = _open(stack, root)
-        read_early(ckpt, ((file, start, os.fstat(ckpt.fds[file]).st_size - start)
-                          for file, (start, _) in sorted(ckpt.headers.items())))
         with torch.device("meta"):
             model = KimiForCausalLM(config)
             layout = _layout(config, model)
@@ -611,6 +634,7 @@ def load_model(
                     yield name, spec.nbytes, functools.partial(ckpt.read, name)
 
         budget = read_budget(sum(spec.nbytes for spec, _ in layout.values()))
+        early.stop()
         for name, tensor in read_ahead(coalesce(reads(), ckpt.mapped), budget):  # later tensors are read while this one converts
             if isinstance(name, tuple):  # a span of mapped weights, populated
                 for t in tensor:

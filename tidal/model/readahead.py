@@ -15,8 +15,10 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -61,6 +63,74 @@ def read_ahead(jobs: Iterable[tuple[K, int, Callable[[], torch.Tensor]]],
         finally:
             for _, _, future in running:
                 future.cancel()
+
+
+# A load's first bytes are read while its model is built, EARLY_CHUNK_BYTES a call, at most
+# EARLY_BYTES (the load's own reads take over sooner on any model that takes less to build).
+EARLY_BYTES = 512 << 20
+EARLY_CHUNK_BYTES = 16 << 20
+
+
+class EarlyReads:
+    """Reads ``pieces`` ((file, offset, bytes), in the order the load will read them) into the page
+    cache on a thread of its own, from before the files are opened or the model is built (neither
+    needs the data), so the disk is busy from the load's first millisecond. ``stop()`` when the
+    load's own reads start (from then on a second reader would only compete with them); ``close()``
+    (stop, and wait for the call in flight) when the load ends.
+
+    Each call is ``sendfile`` to /dev/null: the kernel reads the pages into the page cache and copies
+    nothing, and the thread holds no GIL for the whole call (a reader through a buffer of its own
+    needs the GIL every few MB, and a main thread busy in Python hands it over only every
+    switch interval: both stall). Where sendfile cannot (another OS), plain reads into one small
+    buffer. A piece that cannot be read (a missing file) ends the reads: the load reports it."""
+
+    def __init__(self, pieces: Iterable[tuple[Path, int, int]], limit_bytes: int = EARLY_BYTES) -> None:
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(pieces, limit_bytes), name="tidal-read-early",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def join(self) -> None:
+        """Wait until the reads end: all read, the limit reached, or stopped."""
+        self._thread.join()
+
+    def close(self) -> None:
+        self.stop()
+        self.join()
+
+    def _run(self, pieces: Iterable[tuple[Path, int, int]], left: int) -> None:
+        fds: dict[Path, int] = {}
+        sink = os.open(os.devnull, os.O_WRONLY)
+        buf: memoryview | None = None
+        try:
+            for path, offset, nbytes in pieces:
+                end = offset + min(nbytes, left)
+                left -= end - offset
+                if path not in fds:
+                    fds[path] = os.open(path, os.O_RDONLY)
+                while offset < end and not self._stopped.is_set():
+                    want = min(EARLY_CHUNK_BYTES, end - offset)
+                    if buf is None:
+                        try:
+                            n = os.sendfile(sink, fds[path], offset, want)
+                        except OSError:
+                            buf = memoryview(bytearray(1 << 20))
+                            continue
+                    else:
+                        n = os.preadv(fds[path], [buf[: min(len(buf), want)]], offset)
+                    if n <= 0:
+                        break
+                    offset += n
+                if left <= 0 or self._stopped.is_set():
+                    return
+        except OSError:
+            return
+        finally:
+            for fd in (sink, *fds.values()):
+                os.close(fd)
 
 
 def read_budget(total_bytes: int) -> int:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.model.layers import Embedding
+from tidal.model.layers import Embedding, Linear
 from tidal.ops import dense
 from tidal.parallel.groups import Collectives
 
@@ -43,9 +43,10 @@ class VocabParallelEmbedding(Embedding):
         return self.comm.all_reduce(h.masked_fill(~mine[..., None], 0))
 
 
-class VocabParallelLMHead(nn.Linear):
+class VocabParallelLMHead(Linear):
     """This rank's rows of lm_head; the logits of every rank are gathered (vocabulary order) and the
-    padding of the last shard dropped, so every rank holds the full logits and samples the same."""
+    padding of the last shard dropped, so every rank holds the full logits and samples the same.
+    (tidal's Linear: on the meta device no random initialisation, see ``tidal.model.layers.Embedding``.)"""
 
     def __init__(self, dim: int, vocab_size: int, comm: Collectives) -> None:
         self.first, rows, self.real = vocab_shard(vocab_size, comm.place.tp_size, comm.place.rank)

@@ -16,12 +16,12 @@ import torch
 from tidal.model.checkpoint import (
     TensorSpec, _check, _check_scales, _Checkpoint, _filled, _install, _layout, _materialise_packed, _open,
     _one_thread, _packed_experts, _Source, _stacked_experts, check_mapped_scales, expert_slot, map_experts,
-    map_packed_experts, read_config, resolve_quantization, read_early, without_gc,
+    map_packed_experts, read_config, resolve_quantization, without_gc,
 )
 from tidal.model.kimi import KimiForCausalLM
 from tidal.model.mapped import coalesce
 from tidal.model.moe import Experts, PackedExperts
-from tidal.model.readahead import read_ahead, read_budget
+from tidal.model.readahead import EarlyReads, read_ahead, read_budget
 from tidal.ops.mxfp import dequantize_mxfp4
 from tidal.parallel.groups import Collectives, RankPlace
 from tidal.parallel.shard import build_rank_model, expert_config, expert_slice, full_shapes, take, tensor_slice
@@ -71,7 +71,10 @@ def load_rank_model(
             whole = leaf == "A_log" or spec.min_length  # a few floats, stored in another shape: read whole
             part = spec.nbytes if whole or where is None else spec.nbytes * (where[2] - where[1]) // spec.shape[where[0]]
             plan.append((name, where, part, whole))
-        read_early(ckpt, (_extent(ckpt, name, None if whole else where) for name, where, _, whole in plan))
+        # this rank's slices in the order it reads them, while it builds its model
+        early = EarlyReads((root / file, offset, nbytes) for file, offset, nbytes in
+                           (_extent(ckpt, name, None if whole else where) for name, where, _, whole in plan))
+        stack.callback(early.close)
         with torch.device("meta"):
             model = build_rank_model(config, place, comm, packed=keep_packed).to_dtype(dtype)
         views: dict[str, torch.Tensor] = {}  # this rank's expert matrices mapped from the file
@@ -114,6 +117,7 @@ def load_rank_model(
                     yield name, part, functools.partial(ckpt.read, name, None if whole else where)
 
         budget = read_budget(sum(part for _, _, part, _ in plan))
+        early.stop()
         for name, tensor in read_ahead(coalesce(reads(), ckpt.mapped), budget):  # later slices are read while this one converts
             if isinstance(name, tuple):  # a span of mapped weights, populated
                 nbytes += sum(t.numel() * t.element_size() for t in tensor)
