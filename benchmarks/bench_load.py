@@ -25,6 +25,11 @@ weights on the CPU it copies nothing, ``tidal.model.layers.keeps_apart``) and th
 that to cat. A mapped load has read its pages and mapped them (MADV_POPULATE_READ) before it
 returns, so the first forward pass reads no file. Each line ends with the load average.
 
+``cat`` on this machine's virtual disk is bimodal (rounds at ~0.6 GB/s and rounds at ~2 GB/s, the
+same files, whatever precedes it), so each round also times the disk itself: ``sendfile`` of the
+same files to /dev/null (the kernel's sequential read-ahead into the page cache, nothing copied to
+the process), the physical limit of a load, and prints load/disk beside load/cat.
+
 ``--tree NAME=PATH`` (repeat) loads with other tidal checkouts too, each round in turn (reversed
 every other round) on the same checkpoint, each load after its own cat: A/B figures from one
 command. ``--checkpoint DIR`` loads an existing checkpoint instead of writing one.
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -100,6 +106,23 @@ import time, torch
 torch.set_num_threads(2)
 t = time.perf_counter(); torch.empty({n}, dtype=torch.uint8).fill_(1); print(time.perf_counter() - t)
 """
+
+
+def disk_seconds(files: list[Path]) -> float:
+    """Seconds to read ``files`` front to back into the page cache by sendfile to /dev/null."""
+    sink = os.open(os.devnull, os.O_WRONLY)
+    t = time.perf_counter()
+    try:
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                while os.sendfile(sink, fd, None, 64 << 20) > 0:
+                    pass
+            finally:
+                os.close(fd)
+    finally:
+        os.close(sink)
+    return time.perf_counter() - t
 
 
 def in_fresh_process(code: str) -> float:
@@ -205,6 +228,8 @@ def _round(files: list[Path], size: int, out: Path, tp: int, ep: int, strategy: 
     subprocess.run(["sh", "-c", "cat \"$@\" > /dev/null", "cat", *map(str, files)], check=True)
     t_cat = time.perf_counter() - t0
     drop_caches()
+    t_disk = disk_seconds(files)
+    drop_caches()
     before_load = cached_bytes(files)
     if tp == 1:
         t_prep, t_load = in_fresh_process_pair(LOAD.format(root=tree, ckpt=str(out), mmap=mmap, quant=quantization))
@@ -224,9 +249,10 @@ def _round(files: list[Path], size: int, out: Path, tp: int, ep: int, strategy: 
     what = f"load_model ({strategy})" if tp == 1 else f"{tp} ranks (ep {ep}, {strategy}), {read / 1e9:.2f} GB read"
     what = f"{tree_name} {what}" if tree_name else what
     load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    print(f"[{state}{cached}] cat: {size / t_cat / 1e9:.2f} GB/s ({t_cat:.2f} s)   "
-          f"{what}: {read / t_load / 1e9:.2f} GB/s ({t_load:.2f} s)   "
-          f"ratio (GB/s) load/cat = {read / t_load / (size / t_cat):.2f}{prep}   load average {load}", flush=True)
+    print(f"[{state}{cached}] cat: {size / t_cat / 1e9:.2f} GB/s ({t_cat:.2f} s)   disk (sendfile): "
+          f"{size / t_disk / 1e9:.2f} GB/s   {what}: {read / t_load / 1e9:.2f} GB/s ({t_load:.2f} s)   "
+          f"ratio (GB/s) load/cat = {read / t_load / (size / t_cat):.2f}, load/disk = "
+          f"{read / t_load / (size / t_disk):.2f}{prep}   load average {load}", flush=True)
 
 if __name__ == "__main__":
     main()
