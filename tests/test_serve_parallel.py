@@ -119,3 +119,32 @@ def test_a_hung_rank_turns_health_503_and_fails_its_requests() -> None:
                                   text=True).stdout.strip()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, f"worker processes left: {left}"
+
+
+def test_a_rank_whose_collectives_never_complete_fails_by_the_collective_timeout(monkeypatch) -> None:
+    """Rank 1's main thread stops before its third step while its heartbeat goes on (the
+    TIDAL_RANK_HANG test hook): only the collective timeout (--dist-timeout 10) finds it. The
+    request fails with an error saying a collective timed out (which rank stopped, no process can
+    tell: every peer just waits), /health turns 503 within 30 s of the hang, and stopping the
+    server leaves no process behind."""
+    from tidal.parallel.workers import HANG_ENV
+
+    monkeypatch.setenv(HANG_ENV, "1:3")
+    addr = f"127.0.0.1:{free_port()}"
+    server = start_server("--tp-size", "2", "--dist-init-addr", addr, "--dist-timeout", "10", timeout=600)
+    try:
+        start = time.monotonic()
+        r = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                       json={"model": "tidal-test", "prompt": "def add(a, b):", "max_tokens": 16, "temperature": 0,
+                             "ignore_eos": True})
+        assert r.status_code >= 500 and "collective" in r.text and "timed out" in r.text.lower(), r.text
+        while httpx.get(f"{server.url}/health", timeout=5).status_code != 503:
+            assert time.monotonic() - start < 30, "/health still 200 30 s after the hang"
+            time.sleep(0.5)
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 10
+    while (left := subprocess.run(["pgrep", "-f", f"init-method tcp://{addr}"], capture_output=True,
+                                  text=True).stdout.strip()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"worker processes left: {left}"

@@ -21,6 +21,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -39,6 +40,9 @@ from tidal.parallel.watchdog import HEARTBEAT_TIMEOUT_S, LOST_KEY, Heartbeat, Wa
 log = logging.getLogger("tidal.parallel")
 
 DEFAULT_TIMEOUT_S = 60.0
+# Test hook: "R:N" stops rank R's main thread before its N-th step while its heartbeat goes on, a
+# rank whose collectives never complete (only the collective timeout, --dist-timeout, finds it).
+HANG_ENV = "TIDAL_RANK_HANG"
 # How long the ranks wait for each other to start (process start, imports, other nodes' launches)
 # before the collectives' timeout applies: a loaded machine may take minutes.
 STARTUP_TIMEOUT_S = 600.0
@@ -156,10 +160,16 @@ def worker_main(rank: int, tp_size: int, ep_size: int, dcp_size: int, init_metho
         dist.broadcast_object_list(box, src=core, device=torch.device("cpu"))  # the layout the core planned
         worker = Worker(model, box[0], cuda_graph=False, dcp_rank=comm.place.dcp_rank)
         store.set(memory_key(rank), json.dumps(asdict(RankMemory.of(model, worker.storage))))
+        hang = os.environ.get(HANG_ENV, "").split(":")
+        hang_at = int(hang[1]) if len(hang) == 2 and hang[0] == str(rank) else 0
+        steps = 0
         while True:
             data = _recv_bytes(core)
             if not data:
                 break
+            steps += 1
+            if steps == hang_at:
+                threading.Event().wait()
             logits = worker.execute(decode_plan(data))
             if rank == 0 and logits is not None:
                 logits = logits.float().cpu().contiguous()  # to the core over gloo
