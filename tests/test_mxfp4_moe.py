@@ -70,9 +70,11 @@ def check(out: torch.Tensor, x, counts, experts, packed, scales) -> None:
 
 
 @pytest.mark.parametrize("N,K,counts", [(7, 32, [1]), (65, 96, [3, 1, 16]), (130, 384, [1, 1, 1, 1]),
-                                        (33, 64, [5, 2]), (64, 160, [40, 1])])
+                                        (33, 64, [5, 2]), (64, 160, [40, 1]), (9, 1024, [1, 2, 4]),
+                                        (11, 544, [1, 3])])
 def test_kernel_matches_float64_reference(kernels, N, K, counts):
-    """Odd shapes (N not a multiple of the chunk, K of 8 lanes x 4), 1 and many rows per expert."""
+    """Odd shapes (N not a multiple of the chunk, K of 8 lanes x 4; rows of more than 16 scale blocks,
+    which the AVX-512 tiles take 16 at a time), 1 and many rows per expert."""
     gen = torch.Generator().manual_seed(N * K)
     packed, scales = random_experts(gen, 6, N, K)
     experts, offsets, ids = groups(gen, 6, counts)
@@ -96,6 +98,13 @@ def test_every_scale_byte_class(kernels):
         one = torch.tensor([0, 32]), torch.tensor([e])
         got = kernels[0](eye, *one, packed, scales)
         assert torch.equal(got.double(), reference(eye, [32], [e], packed, scales))
+    # ... and in groups of 1 and 4 rows (decoded in registers, not through the panel), every column
+    full = torch.eye(256)
+    for e in range(3):
+        for n in (1, 4):
+            for j in range(0, 256, 8 if n == 1 else 4):
+                got = kernels[0](full[j : j + n], torch.tensor([0, n]), torch.tensor([e]), packed, scales)
+                assert torch.equal(got.double(), reference(full[j : j + n], [n], [e], packed, scales)), (e, n, j)
     assert torch.equal(kernels[1](torch.tensor([2, 0]), packed, scales).double()[1],
                        reference(torch.eye(256), [256], [0], packed, scales).t())
 

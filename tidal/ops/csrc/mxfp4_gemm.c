@@ -165,11 +165,11 @@ static void row_times_packed(const float *x, int64_t K, const uint8_t *we, int64
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define PAIRED_ROWS 1
 /* decode_block8 of two weight rows' blocks at once: row 0 in the low 256 bits of each v[i], row 1
- * in the high 256. Every instruction of decode_block8 works within 128-bit lanes, so each half
- * holds exactly decode_block8's bits for its row. */
+ * in the high 256, sc their scales (row 0's in the low 8 lanes). Every instruction of decode_block8
+ * works within 128-bit lanes, so each half holds exactly decode_block8's bits for its row. */
 static inline __attribute__((always_inline)) void decode_block8_pair(const uint8_t *restrict p0,
-                                                                     const uint8_t *restrict p1, uint8_t s0,
-                                                                     uint8_t s1, __m512 v[4]) {
+                                                                     const uint8_t *restrict p1, __m512 sc,
+                                                                     __m512 v[4]) {
     const __m512i hi_t = _mm512_broadcast_i32x4(_mm_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x00,
                                                               (char)0xBF, (char)0xBF, (char)0xBF, (char)0xC0,
                                                               (char)0xC0, (char)0xC0, (char)0xC0));
@@ -184,7 +184,6 @@ static inline __attribute__((always_inline)) void decode_block8_pair(const uint8
     const __m512i h = _mm512_shuffle_epi8(hi_t, codes), l = _mm512_shuffle_epi8(lo_t, codes);
     const __m512i b0 = _mm512_unpacklo_epi8(l, h), b1 = _mm512_unpackhi_epi8(l, h);
     const __m512i z = _mm512_setzero_si512();
-    const __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(e8m0(s0)), _mm512_set1_ps(e8m0(s1)));
     v[0] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, b0)), sc);
     v[1] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, b0)), sc);
     v[2] = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, b1)), sc);
@@ -196,10 +195,19 @@ static inline __m512 x8_twice(const float *x) {
     return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(x))));
 }
 
+/* e8m0 of the n <= 16 scale bytes at p (a row's consecutive blocks), one per lane (lanes past n: 0) */
+static inline __m512 scales16(const uint8_t *p, int n) {
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8((__mmask16)((1u << n) - 1), p));
+    const __m512i bits = _mm512_mask_mov_epi32(_mm512_slli_epi32(d, 23), _mm512_cmpeq_epi32_mask(d, _mm512_setzero_si512()),
+                                               _mm512_set1_epi32(1 << 22));
+    return _mm512_castsi512_ps(bits);
+}
+
 /* Weight rows per register tile of R x rows (the accumulators, R * ceil(C / 2), fit the 32 zmm
- * registers beside the decoded block and the x loads). */
+ * registers beside the scale vectors, the decoded block and the x loads). */
 #define PAIRED_MAX_R 4
-static const int PAIRED_COLS[PAIRED_MAX_R + 1] = {0, 16, 8, 6, 6};
+#define PAIRED_MAX_PAIRS 4
+static const int PAIRED_COLS[PAIRED_MAX_R + 1] = {0, 8, 8, 6, 6};
 
 /* R rows of x (row stride K, PERM order) times C consecutive weight rows of one expert -> out[r * N +
  * c]: weight rows 2q and 2q+1 decoded side by side (decode_block8_pair; an odd last row beside
@@ -215,19 +223,33 @@ static inline __attribute__((always_inline)) void paired_tile_packed(const int R
     const int64_t row_scales = K / 32;
     /* the next tile's weight rows, C * 16 bytes per block, when they are contiguous (see row_tiles.h) */
     const char *pf = ws == K / 2 ? (const char *)(w + C * ws) : NULL;
-    __m512 a[PAIRED_MAX_R][8];
+    __m512 a[PAIRED_MAX_R][PAIRED_MAX_PAIRS];
     for (int r = 0; r < R; r++)
         for (int q = 0; q < pairs; q++) a[r][q] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < row_scales; b++) {
-        if (pf != NULL)
-            for (int64_t o = 0; o < 16 * C; o += 64) _mm_prefetch(pf + b * 16 * C + o, _MM_HINT_T0);
-#pragma GCC unroll 8
+    /* each row's scales 16 blocks at a time, one lane per block; a pair's scale vector for block b
+     * (its rows' lanes b, 8 times each) is one two-source permute */
+    const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16);
+    for (int64_t b0 = 0; b0 < row_scales; b0 += 16) {
+        const int nb = row_scales - b0 < 16 ? (int)(row_scales - b0) : 16;
+        __m512 s0[PAIRED_MAX_PAIRS], s1[PAIRED_MAX_PAIRS];
         for (int q = 0; q < pairs; q++) {
-            const int c0 = 2 * q, c1 = 2 * q + 1 < C ? 2 * q + 1 : 2 * q;
-            __m512 v[4];
-            decode_block8_pair(w + c0 * ws + b * 16, w + c1 * ws + b * 16, s[c0 * ss + b], s[c1 * ss + b], v);
-            for (int i = 0; i < 4; i++)
-                for (int r = 0; r < R; r++) a[r][q] = _mm512_fmadd_ps(v[i], x8_twice(x + r * K + b * 32 + 8 * i), a[r][q]);
+            s0[q] = scales16(s + 2 * q * ss + b0, nb);
+            s1[q] = scales16(s + (2 * q + 1 < C ? 2 * q + 1 : 2 * q) * ss + b0, nb);
+        }
+        for (int bi = 0; bi < nb; bi++) {
+            const int64_t b = b0 + bi;
+            if (pf != NULL)
+                for (int64_t o = 0; o < 16 * C; o += 64) _mm_prefetch(pf + b * 16 * C + o, _MM_HINT_T0);
+            const __m512i lane = _mm512_add_epi32(first, _mm512_set1_epi32(bi));
+#pragma GCC unroll 8
+            for (int q = 0; q < pairs; q++) {
+                const int c0 = 2 * q, c1 = 2 * q + 1 < C ? 2 * q + 1 : 2 * q;
+                __m512 v[4];
+                decode_block8_pair(w + c0 * ws + b * 16, w + c1 * ws + b * 16,
+                                   _mm512_permutex2var_ps(s0[q], lane, s1[q]), v);
+                for (int i = 0; i < 4; i++)
+                    for (int r = 0; r < R; r++) a[r][q] = _mm512_fmadd_ps(v[i], x8_twice(x + r * K + b * 32 + 8 * i), a[r][q]);
+            }
         }
     }
     for (int r = 0; r < R; r++)
@@ -244,7 +266,6 @@ static void rows_times_packed(int R, int C, const float *x, int64_t K, const uin
                               const uint8_t *se, int64_t ss, int64_t j, float *out, int64_t N) {
     switch (R * 32 + C) {
         CASE(1, 1) CASE(1, 2) CASE(1, 3) CASE(1, 4) CASE(1, 5) CASE(1, 6) CASE(1, 7) CASE(1, 8)
-        CASE(1, 9) CASE(1, 10) CASE(1, 11) CASE(1, 12) CASE(1, 13) CASE(1, 14) CASE(1, 15) CASE(1, 16)
         CASE(2, 1) CASE(2, 2) CASE(2, 3) CASE(2, 4) CASE(2, 5) CASE(2, 6) CASE(2, 7) CASE(2, 8)
         CASE(3, 1) CASE(3, 2) CASE(3, 3) CASE(3, 4) CASE(3, 5) CASE(3, 6)
         CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4) CASE(4, 5) CASE(4, 6)
