@@ -153,6 +153,42 @@ def test_explores_alternating_then_probes_the_loser_as_rarely_as_it_loses():
     assert policy.speculate(32) is False  # chains lost at 1: not tried first at 32
 
 
+def test_a_step_with_prefill_work_follows_the_measured_winner_without_exploring():
+    """Steps with prefill work are never recorded (their cost is the prefill's): they must not
+    explore (a bucket that only ever sees such steps would run chains forever), nor count
+    towards a probe; once the bucket has a winner they follow it."""
+    policy = CostPolicy(min_samples=2, probe_every=4, probe_overhead=0.5, skip_first=False)
+    assert [policy.speculate(8, explore=False) for _ in range(20)] == [False] * 20  # unmeasured: plain
+    assert policy.steps.get(8, 0) == 0
+    assert feed(policy, 8, {True: 0.004, False: 0.020}, 4) == [True, False, True, False]  # explores now
+    assert policy.winner(8) is True
+    assert all(policy.speculate(8, explore=False) for _ in range(20))  # chains won: mixed steps draft
+    steps = policy.steps[8]
+    policy = CostPolicy(min_samples=2, probe_every=4, probe_overhead=0.5, skip_first=False)
+    feed(policy, 8, {True: 0.030, False: 0.020}, 4)
+    assert not any(policy.speculate(8, explore=False) for _ in range(50))  # chains lost: no probes here
+    assert policy.steps[8] == steps == 4
+
+
+def test_an_unmeasured_engine_drafts_no_chain_beside_a_prefill():
+    """In the engine: requests decoding while a new one arrives every step (every step holds a
+    prefill, with budget to spare for chains) get no chain while the policy has measured nothing;
+    once arrivals stop, decode-only steps explore."""
+    model = init_weights(KimiForCausalLM(tiny_k3()), seed=0).eval()
+    engine = make_engine(model, spec=spec_config("NGRAM", adaptive=True))
+    repeats = [[7 + i, 8, 9] * 3 for i in range(12)]  # NGRAM finds a draft in each at once
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request("r0", repeats[0], params)
+    engine.step()  # r0's prefill
+    for i in range(1, len(repeats)):
+        engine.add_request(f"r{i}", repeats[i], params)
+        engine.step()  # r{i}'s whole prefill beside the others' decodes
+        assert engine.spec.metrics.num_chains == 0, f"a chain beside a prefill, step {i}"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.spec.metrics.num_chains > 0  # decode-only steps explore
+
+
 def test_a_kinds_first_step_is_not_kept():
     policy = CostPolicy(min_samples=1)
     assert feed(policy, 1, {True: 0.5, False: 0.01}, 1) == [True]  # a first chain step, slow: dropped
@@ -305,7 +341,7 @@ class Alternating(CostPolicy):
 
     calls: int = 0
 
-    def speculate(self, num_decodes: int) -> bool:
+    def speculate(self, num_decodes: int, explore: bool = True) -> bool:
         self.calls += 1
         return self.calls % 2 == 1
 

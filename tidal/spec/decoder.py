@@ -121,7 +121,8 @@ class SpecDecoder:
             return
         if self.policy is not None:
             self._score_shadows()
-            if not self.policy.speculate(decoding_count(batch)):
+            prefill = any(n > 1 for n in batch.query_lens)  # before any chain: only prefills are longer
+            if not self.policy.speculate(decoding_count(batch), explore=not prefill):
                 self._shadow(batch)
                 return
             self._stretch_shadows = 0

@@ -95,9 +95,15 @@ class CostPolicy:
     _last: dict[int, bool] = field(default_factory=dict, repr=False)  # the last winner per bucket
     _warm: set = field(default_factory=set, repr=False)
 
-    def speculate(self, num_decodes: int) -> bool:
-        """Whether a step with ``num_decodes`` decoding sequences should draft."""
+    def speculate(self, num_decodes: int, explore: bool = True) -> bool:
+        """Whether a step with ``num_decodes`` decoding sequences should draft. ``explore`` False
+        (a step with prefill work: its cost is the prefill's, so it is never recorded): the
+        bucket's measured winner, plain while none is known, and no step counted towards a probe;
+        exploring there would run chains that teach the policy nothing, step after step, wherever
+        requests keep arriving."""
         b = bucket_of(num_decodes)
+        if not explore:
+            return self.winner(b) is True
         n = self.steps[b] = self.steps.get(b, 0) + 1
         spec, plain = len(self._of(b, True)), len(self._of(b, False))
         lost_below = self._loss_below(b)
