@@ -44,7 +44,7 @@ class Fixed(CostPolicy):
         super().__init__()
         self.choice = choice
 
-    def speculate(self, num_decodes: int) -> bool:
+    def speculate(self, num_decodes: int, explore: bool = True) -> bool:
         return self.choice
 
 

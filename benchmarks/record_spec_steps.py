@@ -29,7 +29,7 @@ class Forced(CostPolicy):
         super().__init__()
         self.choice, self.samples = choice, []
 
-    def speculate(self, num_decodes: int) -> bool:
+    def speculate(self, num_decodes: int, explore: bool = True) -> bool:
         return self.choice
 
     def record(self, num_decodes: int, speculated: bool, seconds: float, tokens: int) -> None:
