@@ -281,8 +281,9 @@ def test_shipped_drafter_belongs_to_the_shipped_model():
     load_drafter(SHIPPED)
 
 
-def test_cached_context_proposes_the_reference_tokens(model):
-    """The serving drafter (context keys/values cached per request in a ring of ``window`` rows,
+@pytest.mark.parametrize("one_product_rows", [0, 16], ids=["slot-by-slot", "one-product"])
+def test_cached_context_proposes_the_reference_tokens(model, one_product_rows, monkeypatch):
+    """The serving drafter (its LM head slot by slot, or every slot in one product) (context keys/values cached per request in a ring of ``window`` rows,
     all requests drafted in one pass) against the uncached reference, with a fresh random drafter
     (Markov head on): several steps, requests of different lengths (longer than the window: the
     ring wraps), prompts handed over only partly (gaps), requests leaving and others taking their
@@ -290,8 +291,10 @@ def test_cached_context_proposes_the_reference_tokens(model):
     it was handed over (a prompt, a chain's several positions) or at the next draft (plain decodes,
     steps without drafting in between). A request that finds every slot taken gets no draft, and a
     request that left leaves its slot free."""
+    from tidal.spec import dspark
     from tidal.spec.dspark import DsparkReferenceDrafter
 
+    monkeypatch.setattr(dspark, "ONE_PRODUCT_ROWS", one_product_rows)
     cfg = drafter_config(model, num_layers=2, window=8)
     m = DsparkModel(cfg).init_weights(7)
     with torch.no_grad():

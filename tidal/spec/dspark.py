@@ -45,6 +45,8 @@ logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "dspark_config.json"
 WEIGHTS_FILE = "model.safetensors"
+# Up to this many block slots (requests x block size) draft their LM head in one product.
+ONE_PRODUCT_ROWS = 16
 
 
 @dataclass
@@ -490,8 +492,14 @@ class DsparkDrafter:
         wanted = torch.tensor([x[3] for x in live], device=dev)
         reach = torch.ones(B, device=dev)
         rows = torch.arange(B, device=dev)  # the blocks still drafting
+        # A slot's LM head does not depend on the drafts before it (only the Markov bias does): a
+        # few blocks take every slot's in one product, reading the vocabulary-wide weight once,
+        # not once a slot; more rows take it slot by slot for the blocks still going. Each row's
+        # logits are the same bits either way (the product is row-invariant).
+        head = self._logits(h.reshape(B * block, -1)).view(B, block, -1) if B * block <= ONE_PRODUCT_ROWS else None
         for j in range(block):  # the Markov head: each slot's bias comes from the previous draft
-            logits = self._logits(h[rows, j]) + self.model.markov_bias(prev[rows])
+            base = head[rows, j] if head is not None else self._logits(h[rows, j])
+            logits = base + self.model.markov_bias(prev[rows])
             top, token = logits.max(dim=-1)
             conf = (top - logits.logsumexp(dim=-1)).exp()  # the draft's own probability
             drafted[rows, j], confidence[rows, j], prev[rows] = token, conf, token
