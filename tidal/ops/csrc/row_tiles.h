@@ -175,15 +175,11 @@ static void any_tile(int R, int C, const float *x, int64_t K, const TILE_W *w, i
 #undef PCASE
 #undef PCASES
 
-/* rows [t0, t1) of x times weight rows [j0, j1) (w points at row j0) into out (row stride N, at
- * column j0): weight-row panels of the tile width, all row tiles under each panel. Under
- * TILE_PREFETCH, with contiguous weight rows (ws == K), the first row tile of each panel prefetches
- * the next panel (up to j1 + one panel: the next work item's first rows). */
 #if defined(TILE_PAIRED) && defined(TILE_WIDEN_PANEL)
-/* TILE_WIDEN_PANEL (16-bit weights): with two row tiles or more under a panel, its C weight rows are
- * widened to float32 once, into an L1 buffer laid out as the paired tiles read them (pair q, k step
- * s: 16 floats at (q * K8 / 8 + s) * 16), instead of once per row tile. The products and their order
- * are tile_paired's (the K % 8 tail reads the weights themselves): the same bits. Below
+/* TILE_WIDEN_PANEL (16-bit weights): with WIDEN_MIN_ROWS rows or more under a panel, its C weight
+ * rows are widened to float32 once, into an L1 buffer laid out as the paired tiles read them (pair
+ * q, k step s: 16 floats at (q * K8 / 8 + s) * 16), instead of once per row tile. The products and
+ * their order are tile_paired's (the K % 8 tail reads the weights themselves): the same bits. Below
  * WIDEN_MIN_ROWS rows the widening's stores and reloads cost more than they save. */
 #define WIDEN_MIN_ROWS (8 * MAX_R)
 static inline __attribute__((always_inline)) void tile_widened(const int R, const int C, const float *x, int64_t K,
@@ -237,6 +233,10 @@ static int rows_times_widened(const float *x, int64_t K, int64_t t0, int64_t t1,
 }
 #endif
 
+/* rows [t0, t1) of x times weight rows [j0, j1) (w points at row j0) into out (row stride N, at
+ * column j0): weight-row panels of the tile width, all row tiles under each panel. Under
+ * TILE_PREFETCH, with contiguous weight rows (ws == K), the first row tile of each panel prefetches
+ * the next panel (up to j1 + one panel: the next work item's first rows). */
 static void rows_times_panel(const float *x, int64_t K, int64_t t0, int64_t t1, const TILE_W *w, int64_t ws,
                              int64_t j0, int64_t j1, float *out, int64_t N) {
     const int64_t rows = t1 - t0;
