@@ -162,7 +162,7 @@ static void row_times_packed(const float *x, int64_t K, const uint8_t *we, int64
 #define decode_block decode_block_in_order
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAIRED_ROWS 1
 /* decode_block8 of two weight rows' blocks at once: row 0 in the low 256 bits of each v[i], row 1
  * in the high 256, sc their scales (row 0's in the low 8 lanes). Every instruction of decode_block8
