@@ -370,3 +370,22 @@ def test_greedy_equal_when_the_policy_switches_mid_request(algorithm, tmp_path):
     seen = engine.spec.policy.samples
     assert any(len(seen[(b, True)]) >= 3 and len(seen.get((b, False), ())) >= 3 for b, s in seen if s), seen
     assert engine.spec.metrics.num_chains >= 3
+
+
+@pytest.mark.parametrize("ratio, wins", [(0.95, False), (0.85, True)])
+def test_above_one_sequence_adjacent_pairs_decide_with_the_larger_margin(ratio, wins):
+    """Plain and chain steps alternate while the machine's load swings 3x: each adjacent pair
+    reads the chain's true cost per token, and above one sequence a 5% gain (within
+    ``pair_margin``) is not enough to speculate while a 15% one is."""
+    policy = CostPolicy(skip_first=False)
+    for i in range(8):
+        load = 3.0 if i % 2 else 1.0
+        policy.record(8, False, 0.010 * load, 8)
+        policy.record(8, True, 0.010 * load * ratio * 2, 16)  # 2 tokens a sequence
+    assert policy.pair_ratio(8) == pytest.approx(ratio)
+    assert policy.winner(8) is wins
+    lone = CostPolicy(skip_first=False, min_pairs=100)
+    for i in range(8):
+        lone.record(8, False, 0.010, 8)
+        lone.record(8, True, 0.010 * 0.95 * 2, 16)
+    assert lone.pair_ratio(8) is None and lone.winner(8) is True  # too few pairs: the window margin

@@ -84,6 +84,9 @@ class CostPolicy:
     max_probe_every: int = 1024
     skip_first: bool = True  # the first step of each kind is not kept (first-use costs)
     margin: float = 0.03  # speculation must be this much cheaper per token to be chosen
+    # above one sequence: adjacent (plain, chain) step pairs, judged once ``min_pairs`` are kept
+    min_pairs: int = 4
+    pair_margin: float = 0.08  # speculation must be this much cheaper per token in the median pair
     decisive: float = 1.5  # a loss this large is decided on one step of each kind (see winner)
     step_overhead: float = 16.0  # a decode step's fixed cost, in tokens of work
     confidence_floor: float = 0.02  # drafts below this chance of being reached are never verified
@@ -94,6 +97,8 @@ class CostPolicy:
     _next_probe: dict[int, int] = field(default_factory=dict)
     _last: dict[int, bool] = field(default_factory=dict, repr=False)  # the last winner per bucket
     _warm: set = field(default_factory=set, repr=False)
+    pairs: dict[int, deque] = field(default_factory=dict)  # per bucket: chain over plain seconds per token
+    _prev: dict[int, tuple[bool, float]] = field(default_factory=dict, repr=False)  # last step per bucket
 
     def speculate(self, num_decodes: int, explore: bool = True) -> bool:
         """Whether a step with ``num_decodes`` decoding sequences should draft. ``explore`` False
@@ -131,6 +136,28 @@ class CostPolicy:
             self._warm.add(speculated)
             return
         self._of(b, speculated).append((seconds, num_decodes + self.step_overhead))
+        self._pair(b, speculated, seconds / (num_decodes + self.step_overhead) / (tokens / num_decodes))
+
+    def _pair(self, bucket: int, speculated: bool, per_token: float) -> None:
+        """Two adjacent steps of a bucket, one of each kind, make a pair: taken close in time, the
+        machine's load changes both alike and cancels in their ratio."""
+        prev = self._prev.get(bucket)
+        self._prev[bucket] = (speculated, per_token)
+        if prev is None or prev[0] == speculated:
+            return
+        spec, plain = (per_token, prev[1]) if speculated else (prev[1], per_token)
+        if bucket not in self.pairs:
+            self.pairs[bucket] = deque(maxlen=2 * self.window)
+        self.pairs[bucket].append(spec / max(plain, 1e-12))
+
+    def pair_ratio(self, bucket: int) -> float | None:
+        """The median over the bucket's recent pairs of a chain step's seconds per token over its
+        adjacent plain step's (None: fewer than ``min_pairs`` pairs, or a lone sequence)."""
+        got = sorted(self.pairs.get(bucket, ()))
+        if bucket == 1 or len(got) < self.min_pairs:
+            return None
+        mid = len(got) // 2
+        return got[mid] if len(got) % 2 else 0.5 * (got[mid - 1] + got[mid])
 
     def min_confidence(self, num_decodes: int) -> float:
         """The least chance of being reached (the drafter's confidence, multiplied along the
@@ -174,7 +201,11 @@ class CostPolicy:
                 return None
             self._last[bucket] = False
             return False
-        self._last[bucket] = a < c * (1.0 - self.margin)
+        ratio = self.pair_ratio(bucket)
+        if ratio is not None:  # above one sequence, adjacent pairs decide (machine noise cancels)
+            self._last[bucket] = ratio < 1.0 - self.pair_margin
+        else:
+            self._last[bucket] = a < c * (1.0 - self.margin)
         return self._last[bucket]
 
     def loss(self, bucket: int) -> float | None:
