@@ -56,6 +56,18 @@ static inline float lanes_sum(__m256 a) {
     return _mm_cvtss_f32(s);
 }
 
+/* TILE_PREFETCH: at k step k, the next panel's bytes [k, k + 8) * C * sizeof(TILE_W) (C * 16 bytes
+ * per step for bf16), one prefetch per cache line; pf == NULL (or no TILE_PREFETCH): nothing */
+static inline __attribute__((always_inline)) void prefetch_panel(const char *pf, int64_t k, const int C) {
+#ifdef TILE_PREFETCH
+    if (pf != NULL)
+        for (int64_t b = 0; b < C * 8 * (int64_t)sizeof(TILE_W); b += 64)
+            _mm_prefetch(pf + k * C * (int64_t)sizeof(TILE_W) + b, _MM_HINT_T0);
+#else
+    (void)pf, (void)k, (void)C;
+#endif
+}
+
 /* R rows of x (row stride K) times C weight rows (stride ws) -> out[r * N + c]; R and C are
  * constants at each call, so the accumulators stay in registers. Which operand is loaded first only
  * fits the registers (16 ymm); each accumulator's order is fixed. */
@@ -67,12 +79,7 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) a[r][c] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K8; k += 8) {
-#ifdef TILE_PREFETCH
-        /* the next panel's bytes [k, k + 8) * C * sizeof(TILE_W): C * 16 bytes per step for bf16 */
-        if (pf != NULL)
-            for (int64_t b = 0; b < C * 8 * (int64_t)sizeof(TILE_W); b += 64)
-                _mm_prefetch(pf + k * C * (int64_t)sizeof(TILE_W) + b, _MM_HINT_T0);
-#endif
+        prefetch_panel(pf, k, C);
         if (R * C + R + 1 <= 16) {  /* the rows' x in registers, each weight vector used once */
             __m256 xv[MAX_R];
             for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + r * K + k);
@@ -118,11 +125,7 @@ static inline __attribute__((always_inline)) void tile_paired(const int R, const
     for (int r = 0; r < R; r++)
         for (int q = 0; q < P; q++) a[r][q] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K8; k += 8) {
-#ifdef TILE_PREFETCH
-        if (pf != NULL)
-            for (int64_t b = 0; b < C * 8 * (int64_t)sizeof(TILE_W); b += 64)
-                _mm_prefetch(pf + k * C * (int64_t)sizeof(TILE_W) + b, _MM_HINT_T0);
-#endif
+        prefetch_panel(pf, k, C);
         __m512 wv[MAX_C / 2];
         for (int q = 0; q < P; q++)
             wv[q] = TILE_LOAD8_PAIR(w + 2 * q * ws + k, w + (2 * q + 1 < C ? 2 * q + 1 : 2 * q) * ws + k);
