@@ -14,9 +14,10 @@ Per model (through the engine, as the server runs it: float32 trunk, MXFP4 exper
   token-healed (the server's default for /v1/completions);
 - tool choice: share of the 40 held-out two-/three-tool prompts (tools and values training never
   declares, default effort ``low``) answered with a call of the right tool whose arguments are a
-  JSON object matching the declared schema, as the model writes it and as the server returns it
-  (held to the chat reply grammar: declared tools only, schema-valid arguments); and the older metric, 50 prompts over the nine named
-  tools with held-out values (effort ``max``);
+  JSON object matching the declared schema, as the model writes it, held to the chat reply grammar
+  with the tool name left to the token mask, and as the server returns it (reply grammar, the tool
+  name chosen whole: tidal.engine.whole_choice); and the older metric, 50 prompts over the nine
+  named tools with held-out values (effort ``max``);
 - the README's chat example ("Write a Python function that reverses a list.") at the model's
   default effort: a closed fenced code block that parses within 64 tokens;
 - the older header metric: greedy completions of 100 held-out stdlib function headers that parse;
@@ -55,8 +56,6 @@ def heldout_stream(tokenizer, texts: list[str]) -> torch.Tensor:
 
 
 def evaluate(model_dir: str, args: argparse.Namespace, show: int) -> dict:
-    from tidal import LLM
-
     t0 = time.perf_counter()
     tok = load_tokenizer(model_dir)
     heldout = load_sources().heldout
@@ -79,6 +78,9 @@ def evaluate(model_dir: str, args: argparse.Namespace, show: int) -> dict:
         res.update(twin=args.twin, twin_loss=twin_loss, mxfp4_gap=loss - twin_loss)
         print(f"  fp32 twin {twin_loss:.4f}; MXFP4 - fp32 gap {loss - twin_loss:+.4f} nats/token")
 
+    if args.targets_only:  # the issue's four targets only: skip the copy loss and the older metrics
+        del model
+        return targets(model_dir, args, show, res, t0)
     copied, first = copy_loss(model, stream)
     res.update(copy_loss=copied, copy_first_loss=first)
     print(f"  in-context copying: {copied:.3f} nats/token on held-out spans written a second time, {first:.3f} on the first writing")
@@ -88,7 +90,15 @@ def evaluate(model_dir: str, args: argparse.Namespace, show: int) -> dict:
     res.update(header_parse_rate=rate)
     print(f"  held-out stdlib headers (older metric): {rate:.1%} of {len(headers)} parse")
     del model
+    return targets(model_dir, args, show, res, t0)
 
+
+def targets(model_dir: str, args: argparse.Namespace, show: int, res: dict, t0: float) -> dict:
+    """The engine-run figures: signatures, tool prompts, the README chat example (and, unless
+    --targets-only, the nine named tools)."""
+    from tidal import LLM
+
+    tok = load_tokenizer(model_dir)
     llm = LLM(model_dir)
     sig = signature_rates(llm, HELDOUT_SIGNATURES)
     res.update({f"signature_{k}": v for k, v in sig.items() if not k.endswith("_texts")})
@@ -101,15 +111,21 @@ def evaluate(model_dir: str, args: argparse.Namespace, show: int) -> dict:
     print(f"  held-out 2/3-tool prompts (40): {ok:.1%} right tool with schema-valid arguments ({named:.1%} right tool)")
     for r in replies[:show]:
         print(f"  --- {r!r}")
+    ok_m, named_m, _ = pool_tool_rates(llm, 40, served=True, whole_names=False)
+    res.update(pool_masked_call_rate=ok_m, pool_masked_name_rate=named_m)
+    print(f"  the same held to the server's reply grammar, the tool name chosen by the token mask alone: "
+          f"{ok_m:.1%} right tool with schema-valid arguments ({named_m:.1%} right tool)")
     ok_s, named_s, replies_s = pool_tool_rates(llm, 40, served=True)
     res.update(pool_served_call_rate=ok_s, pool_served_name_rate=named_s)
-    print(f"  the same through the server's reply grammar (what /v1/chat/completions returns, tool_choice auto): "
-          f"{ok_s:.1%} right tool with schema-valid arguments ({named_s:.1%} right tool)")
+    print(f"  as the server returns them (reply grammar, tool name chosen whole; /v1/chat/completions, tool_choice "
+          f"auto): {ok_s:.1%} right tool with schema-valid arguments ({named_s:.1%} right tool)")
     for r in replies_s[:show]:
         print(f"  --- {r!r}")
-    ok9, named9, _ = tool_rates(load_model(model_dir, torch.float32), tok, 50)
-    res.update(tool_call_rate=ok9, tool_name_rate=named9)
-    print(f"  nine named tools, held-out values (older metric, 50): {ok9:.1%} valid right-tool calls ({named9:.1%} right tool)")
+    if not args.targets_only:
+        ok9, named9, _ = tool_rates(load_model(model_dir, torch.float32), tok, 50)
+        res.update(tool_call_rate=ok9, tool_name_rate=named9)
+        print(f"  nine named tools, held-out values (older metric, 50): {ok9:.1%} valid right-tool calls "
+              f"({named9:.1%} right tool)")
     effort = model_default_effort(Path(model_dir))
     good, reply = readme_chat(llm, effort)
     res.update(readme_chat_ok=good, readme_chat_effort=effort, readme_chat_reply=reply)
@@ -130,6 +146,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--show", type=int, default=3, help="print this many sample completions of each kind")
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--targets-only", action="store_true",
+                    help="only the issue's targets (loss and gap, signatures, tool prompts, chat example): quicker")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     random.seed(0)

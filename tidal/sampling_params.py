@@ -11,6 +11,24 @@ from typing import Any
 _KINDS = ("json", "regex", "choice", "grammar", "llguidance")
 
 
+@dataclass(frozen=True)
+class ChoicePoint:
+    """A place in a grammar where the reply names one of several given strings (a chat reply's
+    tool name): right after the special token ``after``, the text ``lead + option`` for one of
+    ``options``. The engine picks the option by the model's log-probability of that whole text
+    in its canonical tokenisation (:mod:`tidal.engine.whole_choice`), not token by token, then
+    writes it and lets the grammar go on. Token-by-token masking decides at the first token
+    where the options differ, which favours an option whose first token is likely on its own."""
+
+    after: str
+    lead: str
+    options: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.options) < 2 or len(set(self.options)) != len(self.options):
+            raise ValueError(f"ChoicePoint needs two or more distinct options, got {list(self.options)!r}")
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint on what a request may generate, as vLLM's ``structured_outputs``: exactly one
@@ -27,6 +45,9 @@ class StructuredOutputsParams:
     llguidance: str | None = None
     # JSON: no whitespace outside strings (compact, the default) or any JSON whitespace.
     whitespace_flexible: bool = False
+    # Where the grammar's alternatives are chosen whole by the model's score (the server's chat
+    # reply grammars set them for tool names; clients cannot).
+    choice_points: tuple[ChoicePoint, ...] = ()
 
     def __post_init__(self) -> None:
         given = [name for name in _KINDS if getattr(self, name) is not None]

@@ -32,6 +32,7 @@ from tidal.engine.plan import StepLogits, StepPlan, plan_step
 from tidal.engine.worker import Worker
 from tidal.engine.sampler import SampleRow, prompt_logprobs, sample
 from tidal.engine.scheduler import ScheduledBatch, Scheduler
+from tidal.engine.whole_choice import WholeChoiceMatcher, pick, resolve_points
 from tidal.model.kimi import KimiForCausalLM
 from tidal.multimodal.encoder_cache import DEFAULT_ENCODER_CACHE_BYTES, EncoderCache
 from tidal.ops import batch_invariant
@@ -366,6 +367,9 @@ class EngineCore:
             stops = () if params.ignore_eos else self.eos_token_ids
             constraint = self.grammar_compiler().compile(params.structured_outputs).matcher(
                 (*stops, *params.stop_token_ids))
+            points = params.structured_outputs.choice_points
+            if points and hasattr(self.worker, "score"):  # a worker in this process can score options
+                constraint = WholeChoiceMatcher(constraint, resolve_points(points, self.tokenizer))
         elif params.token_healing and heal and self.tokenizer is not None:
             healed = healing_split(ids, self.token_trie())
             # Re-spelling the left-out token takes up to one token per byte: heal where that fits.
@@ -516,6 +520,9 @@ class EngineCore:
     def _sample(self, batch: ScheduledBatch, logits: StepLogits) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         reqs = [batch.requests[b] for b in logits.sample_seqs]
+        for req in reqs:
+            if isinstance(req.constraint, WholeChoiceMatcher) and req.constraint.pending is not None:
+                self._choose_whole(req, req.constraint)
         rows = [SampleRow(r.params, r.generator, r.banned_tokens(), r.token_ids, r.num_prompt_tokens, r.constraint)
                 for r in reqs]
         for j, req in enumerate(reqs):
@@ -527,6 +534,17 @@ class EngineCore:
             self._finish_if_done(req, now)
             outputs.append(req.to_output())
         return outputs
+
+    def _choose_whole(self, req: Request, matcher: WholeChoiceMatcher) -> None:
+        """At a choice point: score each open option whole after the request's tokens and force
+        the pick (tidal.engine.whole_choice). A request with images is left to the token mask
+        (the scorer runs the tokens alone)."""
+        if req.images:
+            matcher.decline()
+            return
+        assert matcher.pending is not None
+        scores = self.worker.score(req.token_ids, [ids for _, ids in matcher.pending])
+        matcher.choose(pick(scores, req.params, req.generator))
 
     def _append(self, req: Request, res, now: float) -> None:
         """Record one sampled token of ``req`` (logprobs, constraint, stop checks, metrics)."""

@@ -65,13 +65,16 @@ def allowed_tokens(constraints: Sequence[TokenConstraint], vocab_size: int,
     are computed in parallel by llguidance's executor, the rest one by one."""
     words = (vocab_size + 31) // 32
     bitmask = torch.zeros(len(constraints), words, dtype=torch.int32)
-    grammars = [(c, i) for i, c in enumerate(constraints) if isinstance(c, GrammarMatcher)]
+    # A matcher forcing a chosen option (tidal.engine.whole_choice) fills its own one-token row.
+    grammars = [(c, i) for i, c in enumerate(constraints)
+                if isinstance(c, GrammarMatcher) and not getattr(c, "forcing", False)]
     if grammars:
         executor = grammars[0][0].compiler.executor
         executor.unsafe_compute_mask_ptr([(c.matcher, i) for c, i in grammars], bitmask.data_ptr(),
                                          words * 4, len(constraints))
+    batched = {i for _, i in grammars}
     for i, c in enumerate(constraints):
-        if not isinstance(c, GrammarMatcher):
+        if i not in batched:
             c.fill(bitmask[i])
     allowed = unpack_bitmask(bitmask, vocab_size)
     for c, i in grammars:

@@ -13,6 +13,7 @@ import torch
 from tidal.cache.storage import PoolStorage
 from tidal.engine.cuda_graph import DEFAULT_MAX_BS
 from tidal.engine.plan import StepPlan
+from tidal.engine.whole_choice import score_continuations
 from tidal.engine.runner import ModelRunner
 from tidal.model.kimi import KimiForCausalLM
 from tidal.multimodal.encoder_cache import EncoderCache
@@ -45,6 +46,11 @@ class Worker:
         if not plan.query_lens:
             return None
         return self.runner.execute(plan)
+
+    def score(self, prefix: list[int], continuations: list[list[int]]) -> list[float]:
+        """Each continuation's log-probability after ``prefix`` (whole-name choice), on this
+        rank's model outside the pool (tidal.engine.whole_choice.score_continuations)."""
+        return score_continuations(self.model, prefix, continuations)
 
     @property
     def last_taps(self) -> torch.Tensor | None:

@@ -199,13 +199,15 @@ class ServerState:
                          content: StructuredOutputsParams | None,
                          parallel_tool_calls: bool | None = None) -> StructuredOutputsParams | None:
         """The grammar of a chat reply in the checkpoint's format (tools, tool_choice, the
-        response body's format)."""
+        response body's format), with the points where the engine picks a tool name whole."""
+        chat = self.need_chat()
         try:
-            grammar = self.need_chat().reply_grammar(prompt, tools=tools, tool_choice=tool_choice, content=content,
-                                                     parallel_tool_calls=parallel_tool_calls)
+            grammar = chat.reply_grammar(prompt, tools=tools, tool_choice=tool_choice, content=content,
+                                         parallel_tool_calls=parallel_tool_calls)
+            points = chat.reply_choice_points(tools=tools, tool_choice=tool_choice) if grammar is not None else ()
         except ValueError as e:
             raise bad_request(str(e), "tool_choice" if "tool" in str(e) else "response_format") from e
-        return StructuredOutputsParams(llguidance=grammar) if grammar is not None else None
+        return StructuredOutputsParams(llguidance=grammar, choice_points=points) if grammar is not None else None
 
     async def submit(self, requests: list[EngineRequest], *, prompt_param: str = "messages",
                      max_tokens_param: str = "max_tokens") -> RequestStream:

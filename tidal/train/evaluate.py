@@ -217,18 +217,23 @@ POOL_PROMPT_SEED = 2121  # the 40 held-out two-/three-tool prompts
 
 
 def engine_complete(llm, prompts: list, max_tokens: int, token_healing: bool = False,
-                    grammars: list[str | None] | None = None) -> list[tuple[str, bool]]:
+                    grammars: list[str | None] | None = None,
+                    choice_points: list[tuple] | None = None) -> list[tuple[str, bool]]:
     """Greedy completions (text with special markers, whether a stop token ended it) of text
     prompts or ``{"prompt_token_ids": ...}`` dicts, through :class:`tidal.LLM`'s engine; with
-    ``grammars``, each held to its llguidance grammar (what the server adds to a chat request)."""
+    ``grammars``, each held to its llguidance grammar (what the server adds to a chat request),
+    with ``choice_points`` (one tuple per grammar) where it picks a name whole."""
     from tidal.sampling_params import SamplingParams, StructuredOutputsParams
 
-    def params(grammar: str | None) -> SamplingParams:
+    def params(grammar: str | None, points: tuple = ()) -> SamplingParams:
+        so = StructuredOutputsParams(llguidance=grammar, choice_points=points) if grammar else None
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, token_healing=token_healing,
-                              skip_special_tokens=False,
-                              structured_outputs=StructuredOutputsParams(llguidance=grammar) if grammar else None)
+                              skip_special_tokens=False, structured_outputs=so)
 
-    sps = [params(g) for g in grammars] if grammars is not None else params(None)
+    if grammars is not None:
+        sps = [params(g, p) for g, p in zip(grammars, choice_points or [()] * len(grammars))]
+    else:
+        sps = params(None)
     return [(o.outputs[0].text, o.outputs[0].finish_reason == "stop") for o in llm.generate(prompts, sps)]
 
 
@@ -269,26 +274,34 @@ def signature_rates(llm, signatures: list[str], max_tokens: int = 96) -> dict[st
     return out
 
 
-def chat_replies(llm, convs: list[Conversation], max_tokens: int, served: bool = False) -> list[str]:
+def chat_replies(llm, convs: list[Conversation], max_tokens: int, served: bool = False,
+                 whole_names: bool = True) -> list[str]:
     """Greedy replies to ``convs``; with ``served``, each held to the reply grammar the server puts
-    on a chat request with these tools (tool_choice auto: only declared tools, schema-valid arguments)."""
+    on a chat request with these tools (tool_choice auto: only declared tools, schema-valid
+    arguments), the tool name chosen whole (as the server does) or, without ``whole_names``, by
+    the token mask alone."""
     from tidal.serve.chat import K3Format
 
     tok = llm.tokenizer
+    fmt = K3Format()
     rendered = [c.render(add_generation_prompt=True) for c in convs]
     prompts = [{"prompt_token_ids": r.token_ids(tok)} for r in rendered]
-    grammars = [K3Format().reply_grammar(r, tools=c.tools, tool_choice="auto") for r, c in zip(rendered, convs)] \
-        if served else None
-    return [t for t, _ in engine_complete(llm, prompts, max_tokens, grammars=grammars)]
+    grammars = points = None
+    if served:
+        grammars = [fmt.reply_grammar(r, tools=c.tools, tool_choice="auto") for r, c in zip(rendered, convs)]
+        points = [fmt.reply_choice_points(tools=c.tools, tool_choice="auto") if whole_names else () for c in convs]
+    return [t for t, _ in engine_complete(llm, prompts, max_tokens, grammars=grammars, choice_points=points)]
 
 
-def pool_tool_rates(llm, n: int = 40, max_tokens: int = 160, served: bool = False) -> tuple[float, float, list[str]]:
+def pool_tool_rates(llm, n: int = 40, max_tokens: int = 160, served: bool = False,
+                    whole_names: bool = True) -> tuple[float, float, list[str]]:
     """(valid right-tool call share, right-tool share, replies) over the held-out pool prompts: the
-    model's own replies, or with ``served`` the replies /v1/chat/completions gives (reply grammar)."""
+    model's own replies, or with ``served`` the replies /v1/chat/completions gives (reply grammar;
+    tool names chosen whole unless ``whole_names`` is off)."""
     from tidal.train.conversations import heldout_pool_prompts
 
     convs = heldout_pool_prompts(random.Random(POOL_PROMPT_SEED), n)
-    replies = chat_replies(llm, convs, max_tokens, served)
+    replies = chat_replies(llm, convs, max_tokens, served, whole_names)
     checks = [tool_call_check(r, c) for r, c in zip(replies, convs)]
     return sum(v for v, _ in checks) / n, sum(r for _, r in checks) / n, replies
 

@@ -14,6 +14,9 @@ so no other markers can appear anywhere:
   present; otherwise as one ``json`` element holding the whole object, checked against the schema.
 - The response body is free text, or follows the content constraint (JSON schema / object,
   regex, choice, grammar).
+
+:func:`tool_choice_points` names where the grammar lets the reply write a tool name: the engine
+chooses that name by its whole log-probability (tidal.engine.whole_choice), not token by token.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tidal.sampling_params import StructuredOutputsParams
+from tidal.sampling_params import ChoicePoint, StructuredOutputsParams
 from tidal.serve.chat.xtml import CLOSE, OPEN, SEP, escape_attr
 
 # Compact JSON, as the renderer writes tool arguments.
@@ -209,6 +212,25 @@ def constrains_nothing(tools: list[dict[str, Any]] | None, tool_choice: Any,
     return not tools and content is None and tool_choice in (None, "auto", "none")
 
 
+CALL_LEAD = 'call tool="'
+
+
+def tool_choice_points(tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
+                       **_: Any) -> tuple[ChoicePoint, ...]:
+    """Where a reply under :func:`reply_grammar` names the tool it calls: after the marker
+    that opens a ``call`` element, ``call tool="NAME"`` for each callable tool (the closing
+    quote included, so a name that is a prefix of another is scored as itself). None when fewer
+    than two tools can be called (nothing to choose)."""
+    tools = tools or []
+    mode, wanted = tool_mode(tools, tool_choice)
+    if mode == "none":
+        return ()
+    names = list(dict.fromkeys(escape_attr(fn.get("name") or "") for _, fn in callable_tools(tools, mode, wanted)))
+    if len(names) < 2:
+        return ()
+    return (ChoicePoint(OPEN, CALL_LEAD, tuple(n + '"' for n in names)),)
+
+
 def reply_grammar(*, thinking: bool, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
                   content: StructuredOutputsParams | None = None, parallel_tool_calls: bool | None = None,
                   strict: bool = False) -> str | None:
@@ -229,7 +251,7 @@ def reply_grammar(*, thinking: bool, tools: list[dict[str, Any]] | None = None, 
         calls = []
         for i, fn in callable_tools(tools, mode, wanted):
             args = r.arguments(i, fn.get("parameters"), strict or bool(fn.get("strict")))
-            header = f'call tool="{escape_attr(fn.get("name") or "")}" index="'
+            header = f'{CALL_LEAD}{escape_attr(fn.get("name") or "")}" index="'
             calls.append(r.add(f"call{i}", f'{OPEN} {lit(header)} INDEX "\\"" {SEP} {args} {close_tag("call")}'))
         r.lines.append("INDEX: /[1-9][0-9]{0,2}/")
         seq.append(r.tool_block("tools", open_tag("tools"), close_tag("tools"), calls, mode, parallel_tool_calls))

@@ -6,7 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tidal.serve.chat.constraints import reply_grammar
+from tidal.sampling_params import ChoicePoint
+from tidal.serve.chat.constraints import reply_grammar, tool_choice_points
 from tidal.serve.chat.events import ParsedReply, ReplyParser
 from tidal.serve.chat.k2 import EOS, IM_END, K2_DEFAULT_SYSTEM, render_k2
 from tidal.serve.chat.k2_constraints import k2_reply_grammar
@@ -46,6 +47,11 @@ class ChatFormat:
         nothing; ValueError naming the problem."""
         raise NotImplementedError
 
+    def reply_choice_points(self, **constraints: Any) -> tuple[ChoicePoint, ...]:
+        """Where the reply grammar's tool names are chosen whole by the engine (none by default:
+        the token mask decides)."""
+        return ()
+
     def stop_token_ids(self, tokenizer: Any) -> list[int]:
         """Ids of this format's stop tokens that the tokenizer has."""
         return [tokenizer.special_tokens[t] for t in self.stop_tokens if t in tokenizer.special_tokens]
@@ -67,6 +73,9 @@ class K3Format(ChatFormat):
 
     def reply_grammar(self, prompt, **constraints) -> str | None:
         return reply_grammar(thinking=prompt.thinking, **constraints)
+
+    def reply_choice_points(self, **constraints) -> tuple[ChoicePoint, ...]:
+        return tool_choice_points(**constraints)
 
 
 @dataclass(frozen=True)
