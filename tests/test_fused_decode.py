@@ -35,6 +35,20 @@ def kernels_built():
         pytest.skip("no C compiler here: the torch forms run")
 
 
+def one_call_variants(monkeypatch, module, x: torch.Tensor, kernel: str) -> tuple[torch.Tensor, ...]:
+    """module(x) on 2 threads, row by row on 2 threads, on 1 thread, and with fused_decode.<kernel> off."""
+    with torch.inference_mode():
+        with threads(2):
+            got = module(x)
+            alone = torch.cat([module(x[t : t + 1]) for t in range(x.shape[0])])
+        with threads(1):
+            single = module(x)
+        with monkeypatch.context() as m:
+            m.setattr(fused_decode, kernel, lambda *a: None)
+            separate = module(x)
+    return got, alone, single, separate
+
+
 def threads(n: int):
     class _Threads:
         def __enter__(self):
@@ -546,15 +560,7 @@ def test_mlp_step_matches_float64_and_has_the_bits_of_the_separate_calls(monkeyp
     gen = torch.Generator().manual_seed(32)
     for T in (1, 5, fused_decode.FUSED_MAX_ROWS):
         x = torch.randn(T, d + 3, generator=gen).bfloat16()[:, 2 : 2 + d]  # rows at a stride
-        with torch.inference_mode():
-            with threads(2):
-                got = mlp(x)
-                alone = torch.cat([mlp(x[t : t + 1]) for t in range(T)])
-            with threads(1):
-                single = mlp(x)
-            with monkeypatch.context() as m:
-                m.setattr(fused_decode, "mlp_step", lambda *a: None)
-                separate = mlp(x)
+        got, alone, single, separate = one_call_variants(monkeypatch, mlp, x, "mlp_step")
         assert calls[-1] and got.dtype == torch.bfloat16
         assert torch.equal(got, separate) and torch.equal(got, alone) and torch.equal(got, single)
         g, u = x.double() @ mlp.gate_proj.weight.double().t(), x.double() @ mlp.up_proj.weight.double().t()
@@ -756,15 +762,18 @@ def test_engine_greedy_tokens_equal_with_and_without_the_fused_kernels(monkeypat
     assert greedy(False) == want
 
 
-@pytest.mark.parametrize("kernel", ["mla_absorbed_for", "router", "kda_layer_step", "mlp_step"])
+@pytest.mark.parametrize("kernel", ["mla_absorbed_for", "router", "kda_layer_step", "mlp_step", "moe_layer_step"])
 def test_engine_bf16_greedy_tokens_equal_with_and_without_a_kernel(monkeypatch, kernel):
     """bfloat16 embedded model: the same greedy tokens, batched and alone, whether MLA decode reads
     kv_b_proj's bf16 weight in place (csrc/mla_decode.c) or through the float32 copy of the torch
     path, and whether the router runs in one C call (csrc/moe_router.c) or as the torch ops of
-    tidal/model/moe.py, and whether a KDA layer's decode step and a gated MLP are one C call each or
-    the separate ones."""
+    tidal/model/moe.py, and whether a KDA layer's decode step, a gated MLP and a whole MoE layer are
+    one C call each or the separate ones. (The MoE layer's one call runs its router itself: the
+    router's case turns it off.)"""
     from tidal.ops import mla as mla_ops
 
+    if kernel == "router":
+        monkeypatch.setattr(fused_decode, "moe_layer_step", lambda *args: None)
     owner = mla_ops if kernel == "mla_absorbed_for" else fused_decode
     calls = []
     real = getattr(owner, kernel)

@@ -564,7 +564,37 @@ class KimiMoE(nn.Module):
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(de, config.rms_norm_eps)
 
+    def _step_plan(self) -> fused_decode.StepPlan | None:
+        """The layer as the one-call step takes it (kept while no weight changes), or None."""
+        experts, c = self.experts, self.config
+        if not isinstance(experts, PackedExperts) or experts.local_experts is not None:
+            return None
+        w13, w2 = experts.tables()
+        latent = (self.routed_expert_down_proj.weight, self.routed_expert_up_proj.weight) if c.is_latent_moe else None
+        norm = self.routed_expert_norm if c.is_latent_moe and c.latent_moe_use_norm else None
+        shared = self.shared_experts if c.num_shared_experts else None
+        shared_ws = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight) if shared else ()
+        params = (self.gate.weight, self.gate.e_score_correction_bias, *(latent or ()),
+                  *([norm.weight] if norm is not None else []), *shared_ws, w13.packed, w2.packed)
+
+        def plan() -> fused_decode.StepPlan | None:
+            shared_plan = shared._step_plan() if shared is not None else None
+            if shared is not None and shared_plan is None:
+                return None
+            return fused_decode.moe_layer_plan(
+                self.gate.weight, self.gate.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group,
+                c.topk_group, c.moe_renormalize, c.routed_scaling_factor, latent,
+                (norm.weight, norm.eps) if norm is not None else None, w13, w2,
+                (c.situ_beta, c.situ_linear_beta) if c.hidden_act == "situ" else None, shared_plan)
+
+        return derived_weight(self, "_step_plan_cached", params, plan)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.is_cpu and isinstance(self.experts, PackedExperts):
+            plan = self._step_plan()  # a few bfloat16 rows: the whole layer in one kernel call
+            out = fused_decode.moe_layer_step(plan, x) if plan is not None else None
+            if out is not None:
+                return out
         ids, weights = self.gate(x)
         h = project(x, self.routed_expert_down_proj.weight) if self.config.is_latent_moe else x
         y = self.experts(h, ids, weights).to(x.dtype)

@@ -35,6 +35,13 @@ PORTABLE_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 FLAGS = [*PORTABLE_FLAGS[:1], "-march=native", *PORTABLE_FLAGS[1:]]
 
 
+# The other sources a library is linked from beside csrc/<name>.c: a kernel that calls other kernels'
+# code (each its own translation unit, so their register tiles of different weight types coexist).
+LIBRARY_SOURCES: dict[str, tuple[str, ...]] = {
+    "moe_layer_decode": ("moe_router", "mxfp4_gemm", "mlp_decode", "rms_norm"),
+}
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("TIDAL_CACHE_DIR", Path.home() / ".cache" / "tidal")) / "kernels"
 
@@ -62,8 +69,9 @@ def _library(name: str) -> ctypes.CDLL | None:
 
 
 def _build(compiler: str, name: str, flags: list[str]) -> ctypes.CDLL | None:
+    sources = [CSRC / f"{n}.c" for n in (name, *LIBRARY_SOURCES.get(name, ()))]
     # the shared headers belong to every kernel's source (a changed tile rebuilds its users)
-    source = b"".join(p.read_bytes() for p in [CSRC / f"{name}.c", *sorted(CSRC.glob("*.h"))])
+    source = b"".join(p.read_bytes() for p in [*sources, *sorted(CSRC.glob("*.h"))])
     # -march=native: the CPU's features belong in the key (a shared home directory, another CPU).
     key = hashlib.sha256(source + " ".join([compiler, *flags, _cpu_features()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
@@ -72,7 +80,7 @@ def _build(compiler: str, name: str, flags: list[str]) -> ctypes.CDLL | None:
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                subprocess.run([compiler, *flags, str(CSRC / f"{name}.c"), "-o", str(built), "-lm"],
+                subprocess.run([compiler, *flags, *map(str, sources), "-o", str(built), "-lm"],
                                check=True, capture_output=True, timeout=120)
                 os.replace(built, target)  # atomic: concurrent builders never load a partial file
         return ctypes.CDLL(str(target))
@@ -439,14 +447,20 @@ class KdaLayerWeights(ctypes.Structure):
 @cache
 def kda_layer_step_kernels() -> tuple[Callable, Callable] | None:
     """(csrc/kda_layer_decode.c's ``kda_layer_step``, ``kda_layer_step_scratch``), or None."""
-    step = _function("kda_layer_decode", "kda_layer_step",
-                     [ctypes.POINTER(KdaLayerWeights), _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, _PTR, _I64, _PTR,
-                      _PTR, _PTR, ctypes.c_int])
-    scratch = _function("kda_layer_decode", "kda_layer_step_scratch", [ctypes.POINTER(KdaLayerWeights)])
-    if step is None or scratch is None:
+    return _step_kernels("kda_layer_decode", "kda_layer_step", KdaLayerWeights,
+                         [_PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_int])
+
+
+def _step_kernels(library: str, step: str, weights: type[ctypes.Structure],
+                  argtypes: list) -> tuple[Callable, Callable] | None:
+    """(``step``, ``<step>_scratch``) of a one-call layer step that takes its layer's ``weights``
+    structure first (then ``argtypes``) and returns a status, the scratch its scratch size; or None."""
+    fn = _function(library, step, [ctypes.POINTER(weights), *argtypes])
+    scratch = _function(library, f"{step}_scratch", [ctypes.POINTER(weights)])
+    if fn is None or scratch is None:
         return None
-    step.restype, scratch.restype = ctypes.c_int, _I64
-    return step, scratch
+    fn.restype, scratch.restype = ctypes.c_int, _I64
+    return fn, scratch
 
 
 class MlpWeights(ctypes.Structure):
@@ -463,13 +477,7 @@ class MlpWeights(ctypes.Structure):
 @cache
 def mlp_step_kernels() -> tuple[Callable, Callable] | None:
     """(csrc/mlp_decode.c's ``mlp_step``, ``mlp_step_scratch``), or None."""
-    step = _function("mlp_decode", "mlp_step",
-                     [ctypes.POINTER(MlpWeights), _PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int])
-    scratch = _function("mlp_decode", "mlp_step_scratch", [ctypes.POINTER(MlpWeights)])
-    if step is None or scratch is None:
-        return None
-    step.restype, scratch.restype = ctypes.c_int, _I64
-    return step, scratch
+    return _step_kernels("mlp_decode", "mlp_step", MlpWeights, [_PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int])
 
 
 @cache
@@ -490,3 +498,28 @@ def moe_router_kernel() -> Callable | None:
     if fn is not None:
         fn.restype = ctypes.c_int
     return fn
+
+
+class MoeLayerWeights(ctypes.Structure):
+    """csrc/moe_layer_decode.c's ``struct moe_layer_weights``: a bfloat16 MoE layer with packed MXFP4
+    routed experts by address (the router, K3's latent projections and norm, the experts' tables,
+    the shared expert as an :class:`MlpWeights`) and its sizes."""
+
+    _fields_ = [
+        ("hidden", _I64), ("expert_hidden", _I64), ("num_experts", _I64), ("top_k", _I64), ("n_group", _I64),
+        ("topk_group", _I64), ("renormalize", _I64), ("routed_scale", ctypes.c_float),
+        ("router_w", _PTR), ("router_bf16", _I64), ("router_bias", _PTR),
+        ("down_w", _PTR), ("up_w", _PTR), ("down_stride", _I64), ("up_stride", _I64),
+        ("norm_w", _PTR), ("norm_bf16", _I64), ("norm_eps", ctypes.c_float),
+        ("w13", _PTR), ("w13_scales", _PTR), ("w13_parts", _I64), ("w13_stride", _I64), ("w13_scale_stride", _I64),
+        ("inter", _I64), ("w2", _PTR), ("w2_scales", _PTR), ("w2_stride", _I64), ("w2_scale_stride", _I64),
+        ("act_kind", _I64), ("beta", ctypes.c_float), ("linear_beta", ctypes.c_float),
+        ("shared", ctypes.POINTER(MlpWeights)),
+    ]
+
+
+@cache
+def moe_layer_step_kernels() -> tuple[Callable, Callable] | None:
+    """(csrc/moe_layer_decode.c's ``moe_layer_step``, ``moe_layer_step_scratch``), or None."""
+    return _step_kernels("moe_layer_decode", "moe_layer_step", MoeLayerWeights,
+                         [_PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int])

@@ -1,6 +1,8 @@
 """One C call where a decode step ran a chain of small torch ops on the CPU: RMSNorm, the gated MLP
 activations, Block AttnRes, the recurrent part of a KDA layer, the MoE router and the packed routed
-experts (csrc/rms_norm.c, activation.c, attn_res.c, kda_layer_decode.c, moe_router.c, mxfp4_gemm.c).
+experts (csrc/rms_norm.c, activation.c, attn_res.c, kda_layer_decode.c, moe_router.c, mxfp4_gemm.c),
+and whole bfloat16 layers (a KDA layer, a gated MLP, an MoE layer: kda_layer_decode.c, mlp_decode.c,
+moe_layer_decode.c).
 
 At batch 1 a step's work per op is a few hundred values, so its time went to dispatching ~2,000
 aten calls, not to arithmetic. Each function here takes the arguments of the model's math and
@@ -30,6 +32,8 @@ from tidal.ops.cpu_kernels import (
     kda_layer_decode_kernel,
     kda_layer_step_kernels,
     mlp_step_kernels,
+    moe_layer_step_kernels,
+    MoeLayerWeights,
     moe_router_kernel,
     mxfp4_moe_kernel,
     rms_norm_kernel,
@@ -121,11 +125,10 @@ def router(
     """:meth:`tidal.model.moe.Router.forward`: x [T, d] -> (expert ids [T, k] int64, weights [T, k]
     float32). Scores in float32 sums of one fixed order; exact ties choose the lower expert index
     (torch.topk's order among equal values is unspecified)."""
-    E = weight.shape[0]
-    if (not _applies(x, weight) or not _rows_ok(x) or not _small(x.shape[0]) or weight.dim() != 2
-            or not weight.is_contiguous() or weight.shape[1] != x.shape[1] or bias.shape != (E,)
-            or not 0 < k <= E or (n_group > 1 and (E % n_group or not 0 < topk_group <= n_group))):
+    if (not _applies(x, weight) or not _rows_ok(x) or not _small(x.shape[0])
+            or not _router_ok(weight, bias, k, n_group, topk_group) or weight.shape[1] != x.shape[1]):
         return None
+    E = weight.shape[0]
     fn = moe_router_kernel()
     if fn is None:
         return None
@@ -259,6 +262,7 @@ class StepPlan:
     tensors: tuple[torch.Tensor, ...] = field(repr=False)
     scratch_per_token: int
     scratch: torch.Tensor = field(repr=False)
+    keep: tuple[object, ...] = field(default=(), repr=False)  # what else the addresses point into
 
     def scratch_for(self, rows: int) -> torch.Tensor:
         if self.scratch.numel() < rows * self.scratch_per_token:
@@ -409,4 +413,82 @@ def mlp_step(plan: StepPlan, x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(T, w.hidden, dtype=torch.bfloat16)
     if kernels[0](ctypes.byref(w), _ptr(x), x.stride(0), T, _ptr(out), _ptr(scratch), torch.get_num_threads()) != 0:
         raise ValueError("mlp_step: gate and up weights of different sizes")
+    return out
+
+
+def _router_ok(weight: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int) -> bool:
+    """The routers :func:`router` takes (any row count aside)."""
+    E = weight.shape[0] if weight.dim() == 2 else 0
+    return (weight.dim() == 2 and weight.is_contiguous() and weight.dtype in _DTYPES and weight.device.type == "cpu"
+            and bias.shape == (E,) and 0 < k <= E and (n_group <= 1 or (E % n_group == 0 and 0 < topk_group <= n_group)))
+
+
+def moe_layer_plan(
+    router_w: torch.Tensor, router_bias: torch.Tensor, k: int, n_group: int, topk_group: int, renormalize: bool,
+    scale: float, latent: tuple[torch.Tensor, torch.Tensor] | None, norm: tuple[torch.Tensor, float] | None,
+    w13: ExpertTable, w2: ExpertTable, situ_betas: tuple[float, float] | None, shared: StepPlan | None,
+) -> StepPlan | None:
+    """The plan of a bfloat16 MoE layer with packed MXFP4 routed experts for :func:`moe_layer_step`:
+    the router (weight [E, d], correction bias [E], the routing of :func:`router`), K3's latent
+    (down [de, d], up [d, de]) bfloat16 weights and norm (weight [de], eps), or None for both; the
+    experts' (gate | up, down) tables (:func:`packed_experts`'s); the shared expert's
+    :func:`mlp_step_plan`. None where the one call does not take the layer (its separate calls run
+    instead). Build it once while no weight changes (``tidal.model.layers.derived_weight``)."""
+    kernels = moe_layer_step_kernels()
+    if kernels is None or not _router_ok(router_w, router_bias, k, n_group, topk_group) or w2.parts != 1:
+        return None
+    E, d = router_w.shape
+    de, inter = w2.rows, w2.cols
+    if latent is not None:
+        down, up = latent
+        if not (_bf16_rows_weight(down) and _bf16_rows_weight(up) and down.shape == (de, d) and up.shape == (d, de)):
+            return None
+    elif de != d or norm is not None:
+        return None
+    if norm is not None and (not norm[0].is_contiguous() or norm[0].numel() != de or norm[0].dtype not in _DTYPES
+                             or norm[0].device.type != "cpu"):
+        return None
+    if (w13.num_experts != E or w2.num_experts != E or w13.rows != 2 * inter or w13.cols != de
+            or (shared is not None and shared.weights.hidden != d)):
+        return None
+    bias = _float32(router_bias)
+    beta, linear_beta = situ_betas if situ_betas is not None else (1.0, 1.0)
+    weights = MoeLayerWeights(
+        hidden=d, expert_hidden=de, num_experts=E, top_k=k, n_group=n_group, topk_group=topk_group,
+        renormalize=int(renormalize), routed_scale=scale, router_w=router_w.data_ptr(),
+        router_bf16=int(router_w.dtype == torch.bfloat16), router_bias=bias.data_ptr(),
+        down_w=latent[0].data_ptr() if latent else None, up_w=latent[1].data_ptr() if latent else None,
+        down_stride=latent[0].stride(0) if latent else 0, up_stride=latent[1].stride(0) if latent else 0,
+        norm_w=norm[0].data_ptr() if norm else None, norm_bf16=int(norm is not None and norm[0].dtype == torch.bfloat16),
+        norm_eps=norm[1] if norm else 0.0, w13=w13.packed.data_ptr(), w13_scales=w13.scales.data_ptr(),
+        w13_parts=w13.parts, w13_stride=w13.packed_stride, w13_scale_stride=w13.scale_stride, inter=inter,
+        w2=w2.packed.data_ptr(), w2_scales=w2.scales.data_ptr(), w2_stride=w2.packed_stride,
+        w2_scale_stride=w2.scale_stride, act_kind=int(situ_betas is not None), beta=beta, linear_beta=linear_beta,
+        shared=ctypes.pointer(shared.weights) if shared is not None else None)
+    tensors = (router_w, bias, *(latent or ()), *([norm[0]] if norm else []), *(shared.tensors if shared else ()))
+    per_row = kernels[1](ctypes.byref(weights))
+    return StepPlan(weights, tensors, per_row, torch.empty(max(1, per_row), dtype=torch.float32),
+                    keep=(w13, w2, shared))
+
+
+def moe_layer_step(plan: StepPlan, x: torch.Tensor) -> torch.Tensor | None:
+    """:meth:`tidal.model.moe.KimiMoE.forward` of bfloat16 rows x [T, d] -> [T, d] bfloat16 in one C
+    call, with the bits of the separate calls it replaces (:func:`router`, the latent projections,
+    :func:`packed_experts`, :func:`rms_norm`, :func:`mlp_step`, the bfloat16 sum); None where it does
+    not apply: more rows than the router and the MLP step take, rows that are not bfloat16, batch
+    invariance, the kernels off."""
+    w = plan.weights
+    T = x.shape[0]
+    if (not _applies(x, *plan.tensors) or x.dtype != torch.bfloat16 or not _rows_ok(x) or x.shape[1] != w.hidden
+            or T > FUSED_MAX_ROWS or T * w.top_k > PACKED_EXPERTS_MAX_SLOTS or batch_invariant.enabled()):
+        return None
+    kernels = moe_layer_step_kernels()
+    if kernels is None:
+        return None
+    scratch = plan.scratch_for(T)
+    out = torch.empty(T, w.hidden, dtype=torch.bfloat16)
+    status = kernels[0](ctypes.byref(w), _ptr(x), x.stride(0), T, _ptr(out), _ptr(scratch), torch.get_num_threads())
+    if status != 0:
+        raise ValueError("moe_layer_step: expert ids outside the experts, or no scratch memory" if status == -1
+                         else "moe_layer_step: the shared expert's gate and up weights differ in size")
     return out

@@ -11,23 +11,11 @@
 #include "bf16_parts.h"
 #include "bf16_scalar.h"
 #include "gated_act.h"
+#include "mlp_weights.h"
 
-/* The weights: gate and up [inter, hidden], down [hidden, inter], rows contiguous at the strides. */
-struct mlp_weights {
-    int64_t hidden, inter;
-    const uint16_t *gate_up[2];
-    int64_t gate_up_stride[2], gate_up_rows[2];
-    const uint16_t *down;
-    int64_t down_stride;
-    int64_t kind; /* 1 SiTU, 0 SwiGLU */
-    float beta, linear_beta;
-};
-
-/* float32 values of scratch mlp_step needs per row */
+/* (declared, with what they take, in mlp_weights.h) */
 int64_t mlp_step_scratch(const struct mlp_weights *w) { return 2 * w->hidden + 3 * w->inter; }
 
-/* x [T, hidden] bfloat16 rows (row stride x_stride) -> out [T, hidden] bfloat16, contiguous. scratch
- * holds T * mlp_step_scratch(w) floats. Returns 0, or -1 for weights of mismatched sizes. */
 int mlp_step(const struct mlp_weights *w, const uint16_t *x, int64_t x_stride, int64_t T, uint16_t *out,
              float *scratch, int num_threads) {
     const int64_t d = w->hidden, I = w->inter;
