@@ -167,3 +167,27 @@ def test_parts_product_declines_what_the_kernel_does_not_take(monkeypatch):
     bf = [torch.randn(4, 16, generator=gen).bfloat16(), torch.randn(5, 16, generator=gen).bfloat16()]
     got = dense.linear_parts(x, bf)  # the kernel "unavailable": each part's product
     assert calls and torch.equal(got, torch.cat([dense.linear(x, w) for w in bf], dim=-1))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 16])
+def test_float32_few_rows_against_a_bf16_valued_large_weight(kernel, rows):
+    """An LM head loaded from a bf16 checkpoint in float32 (input-major): its few-row products run on
+    the exact bf16 copy in the C kernel, every row bitwise its batch-1 result (a verified chain's
+    logits are the decode's), matching float64; a write to the weight makes a new copy, and a
+    weight with a value bf16 cannot hold keeps the row-by-row product."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(dense.ROW_BY_ROW_MIN_WEIGHT // 128, 128, generator=gen).bfloat16().float().t().contiguous().t()
+    x = torch.randn(rows, 128, generator=gen)
+    got = dense.linear(x, w)
+    assert torch.equal(got, kernel(x, w.to(torch.bfloat16).contiguous()))
+    assert torch.allclose(got.double(), x.double() @ w.double().t(), rtol=0, atol=1e-4)
+    assert all(torch.equal(got[i], dense.linear(x[i : i + 1], w)[0]) for i in range(rows))
+    assert not dense._row_by_row(x, w)
+    with torch.no_grad():
+        w.mul_(2.0)  # still bf16 values
+    assert torch.equal(dense.linear(x, w), 2 * got)
+    with torch.no_grad():
+        w[0, 0] = 1.0 + 2.0 ** -20  # not a bf16 value
+    assert dense.bf16_twin(w) is None
+    assert dense._row_by_row(x, w) == (rows > 1)
+    assert torch.equal(dense.linear(x, w), torch.cat([F.linear(x[i : i + 1], w) for i in range(rows)]))

@@ -5,12 +5,18 @@ float32 speed, at one row and at many), and so do float32 rows times a bfloat16 
 result: a small model kept in bf16, like the DSPARK drafter, read at half the bytes). Every row's result there is bitwise independent of the
 other rows (one summation order at every row count), so the bf16 trunk is batch-invariant on the
 CPU. A few float32 rows times a large input-major float32 weight (the LM head of a verified chain
-or a small decode batch) go one row at a time: the CPU BLAS packs the whole weight for a
-multi-row product but not for a row-vector one, so the rows' products cost that many batch-1
-products, and each row's result is the batch-1 result bit for bit. Everything else is torch's.
+or a small decode batch, one row included) are read through a bfloat16 copy of the weight
+where its values are all bfloat16 ones (a bf16 checkpoint loaded in float32: the copy is exact and
+half the bytes; :func:`bf16_twin`), by the C kernel: the weight is read once for all the rows, and
+each row's result is its batch-1 result bit for bit (the kernel's row-invariant order), so a
+verified chain's logits are the decode's. Other such weights go one row at a time: the rows'
+products cost that many batch-1 products, and each row's result is the batch-1 result bit for bit.
+Everything else is torch's.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +46,15 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if kernel is None:
             return F.linear(x, w.to(dtype))
         out = kernel(rows, w)  # float32 rows: float32 out, the bf16 weight read once
-    elif _row_by_row(x, w):
-        out = torch.cat([F.linear(rows[i : i + 1], w) for i in range(rows.shape[0])])
+    elif _few_rows(x, w):
+        twin = bf16_twin(w)
+        kernel = bf16_gemm_kernel() if twin is not None else None
+        if kernel is not None:
+            out = kernel(rows, twin)
+        elif rows.shape[0] == 1:
+            return F.linear(x, w)
+        else:
+            out = torch.cat([F.linear(rows[i : i + 1], w) for i in range(rows.shape[0])])
     else:
         return F.linear(x, w)
     return out if flat else out.reshape(*x.shape[:-1], w.shape[0])
@@ -84,8 +97,35 @@ def linear_parts(x: torch.Tensor, ws: list[torch.Tensor] | WeightParts) -> torch
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _row_by_row(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Few float32 rows against a large input-major (inference_layout) float32 CPU weight."""
+def _few_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Few float32 rows (one included) against a large input-major (inference_layout) float32 CPU
+    weight."""
     rows = x.numel() // max(1, x.shape[-1])
     return (w.dtype == x.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2 and w.stride(0) == 1
-            and w.numel() >= ROW_BY_ROW_MIN_WEIGHT and 2 <= rows <= ROW_BY_ROW_MAX_ROWS)
+            and w.numel() >= ROW_BY_ROW_MIN_WEIGHT and 1 <= rows <= ROW_BY_ROW_MAX_ROWS)
+
+
+def _row_by_row(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Few float32 rows against a large input-major weight without an exact bfloat16 copy: the
+    rows go one at a time (see the module docstring)."""
+    return _few_rows(x, w) and x.numel() > x.shape[-1] and (bf16_twin(w) is None or bf16_gemm_kernel() is None)
+
+
+# weight id -> (a weak reference to it, what identifies its values, its bf16 copy or None)
+_TWINS: dict[int, tuple[weakref.ref, tuple, torch.Tensor | None]] = {}
+
+
+def bf16_twin(w: torch.Tensor) -> torch.Tensor | None:
+    """A row-major bfloat16 copy of float32 ``w`` [N, K] whose values are all bfloat16 ones (so
+    the copy is exact), kept while ``w`` lives and its storage, shape and in-place write count
+    stay; None where some value is not a bfloat16 one (found once per weight)."""
+    key = (w.data_ptr(), w.shape, w.stride(), -1 if w.is_inference() else w._version)
+    got = _TWINS.get(id(w))
+    if got is not None and got[0]() is w and got[1] == key:
+        return got[2]
+    with torch.no_grad():
+        twin = w.detach().to(torch.bfloat16).contiguous()
+        twin = twin if torch.equal(twin.to(torch.float32), w) else None
+    ident = id(w)
+    _TWINS[ident] = (weakref.ref(w, lambda _, i=ident: _TWINS.pop(i, None)), key, twin)
+    return twin
