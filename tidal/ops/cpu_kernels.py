@@ -523,3 +523,13 @@ def moe_layer_step_kernels() -> tuple[Callable, Callable] | None:
     """(csrc/moe_layer_decode.c's ``moe_layer_step``, ``moe_layer_step_scratch``), or None."""
     return _step_kernels("moe_layer_decode", "moe_layer_step", MoeLayerWeights,
                          [_PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int])
+
+
+@cache
+def markov_draft_kernel() -> Callable | None:
+    """csrc/markov_draft.c's ``markov_draft`` (the DSPARK drafter's slot loop), or None."""
+    fn = _function("markov_draft", "markov_draft",
+                   [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, ctypes.c_float, _PTR, _PTR, ctypes.c_int])
+    if fn is not None:
+        fn.restype = ctypes.c_int
+    return fn

@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.model.layers import derived_weight, rms_norm
+from tidal.model.layers import derived_weight, inference_layout, rms_norm
 from tidal.ops import dense
+from tidal.ops.markov_draft import draft_slots
 from tidal.spec.dspark_cache import DraftContextCache
 from tidal.spec.drafter import Draft, confident_prefix
 
@@ -353,6 +354,8 @@ class DsparkDrafter:
                            "stays exact but will draft poorly; retrain it", cfg.target_fingerprint, fp)
         self.model, self.target, self.cfg = model.eval(), target, cfg
         self.device = next(model.parameters()).device
+        if cfg.markov_rank:  # the same values input-major: the slot loop's kernel streams it along the vocabulary
+            model.markov_out.weight.data = inference_layout(model.markov_out.weight)
         self.tap_layers = tuple(cfg.tap_layers)
         self.tap_window = cfg.window
         self.cache = DraftContextCache(cfg.num_layers, cfg.num_heads, cfg.head_dim, cfg.window, max_requests,
@@ -497,7 +500,13 @@ class DsparkDrafter:
         # not once a slot; more rows take it slot by slot for the blocks still going. Each row's
         # logits are the same bits either way (the product is row-invariant).
         head = self._logits(h.reshape(B * block, -1)).view(B, block, -1) if B * block <= ONE_PRODUCT_ROWS else None
-        for j in range(block):  # the Markov head: each slot's bias comes from the previous draft
+        fast = None
+        if head is not None:  # the rest of the block in one call where the kernel applies
+            markov = (self.model.markov_in.weight, self.model.markov_out.weight) if self.cfg.markov_rank else (None, None)
+            fast = draft_slots(head, *markov, prev, wanted, min_reach)
+        if fast is not None:
+            drafted, confidence = fast
+        for j in range(block if fast is None else 0):  # the Markov head: each slot's bias comes from the previous draft
             base = head[rows, j] if head is not None else self._logits(h[rows, j])
             logits = base + self.model.markov_bias(prev[rows])
             top, token = logits.max(dim=-1)
