@@ -8,6 +8,7 @@ the problem; the shipped drafter belongs to the shipped embedded model."""
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from tidal import SamplingParams
 from tidal.model.init import init_weights
 from tidal.model.kimi import KimiForCausalLM
+from tidal.ops import dense
 from tidal.presets import tiny_k3
 from tidal.spec.config import SpeculativeConfig
 from tidal.spec.drafter import Draft
@@ -362,10 +364,18 @@ def test_cached_context_proposes_the_reference_tokens(model, one_product_rows, m
     assert fast.cache.num_free == 3 and bool((fast.cache.pos == -1).all())
 
 
-def test_counted_memory_is_what_the_drafter_holds(model, tmp_path):
+@pytest.mark.parametrize("bf16_head", [False, True], ids=["own-head-copy", "target-twin"])
+def test_counted_memory_is_what_the_drafter_holds(model, tmp_path, bf16_head):
     """The bytes the engine takes out of the pool for the drafter (``nbytes``, the same function
     ``memory_bytes`` reads from a drafter directory) are the tensors it holds after drafting: its
-    float32 weights, their bf16 copies, the bf16 LM head and the context cache."""
+    float32 weights, their bf16 copies, the bf16 LM head and the context cache. A float32 target
+    whose LM head holds bf16 values (a bf16 checkpoint) keeps an exact bf16 copy for its own
+    decode (``dense.bf16_twin``): the drafter reads that one, and the bytes counted for its copy
+    pay for it."""
+    if bf16_head:
+        model = copy.deepcopy(model)
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.lm_head.weight.bfloat16().float())
     cfg = drafter_config(model, num_layers=2)
     path = save_drafter(DsparkModel(cfg).init_weights(3), tmp_path)
     d = DsparkDrafter(load_drafter(path), model, max_requests=5)
@@ -375,5 +385,8 @@ def test_counted_memory_is_what_the_drafter_holds(model, tmp_path):
     copies = [v[1] for owner in (d, *d.model.modules()) for k, v in vars(owner).items()
               if k.startswith("_") and isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.Tensor)]
     cache = [t for t in vars(d.cache).values() if isinstance(t, torch.Tensor)]
+    twin = dense.bf16_twin(model.lm_head.weight)
+    assert (twin is not None) == bf16_head and ("_lm_head" in vars(d)) == (not bf16_head)
     held = sum(p.nbytes for p in d.model.parameters()) + sum(t.nbytes for t in copies + cache)
+    held += twin.nbytes if bf16_head else 0
     assert d.nbytes == held == DsparkDrafter.memory_bytes(str(path), 5)

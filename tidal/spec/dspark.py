@@ -446,11 +446,15 @@ class DsparkDrafter:
         return self.target.model.embed_tokens(ids).to(torch.float32)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The target's LM head on draft states, read in bfloat16 (a copy kept beside a wider target's)."""
+        """The target's LM head on draft states, read in bfloat16: a float32 target's exact bf16 copy
+        where its decode keeps one (``dense.bf16_twin``; the bytes ``nbytes`` counts for the
+        drafter's copy then pay for that one), else a copy kept beside a wider target's."""
         w = self.target.lm_head.weight
         if w.device.type != "cpu" or w.dim() != 2:
             return self.target.compute_logits(h.to(self.target.dtype)).to(torch.float32)
-        head = derived_weight(self, "_lm_head", (w,), lambda: w.detach().to(torch.bfloat16).contiguous())
+        twin = dense.bf16_twin(w) if w.dtype == torch.float32 else None
+        head = twin if twin is not None else derived_weight(self, "_lm_head", (w,),
+                                                            lambda: w.detach().to(torch.bfloat16).contiguous())
         return dense.linear(h.to(torch.float32), head)
 
     def propose(self, request_id: str, token_ids: Sequence[int], num_tokens: int,
