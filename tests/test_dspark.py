@@ -146,12 +146,19 @@ class Recording(DsparkDrafter):
     def __init__(self, inner: DsparkDrafter) -> None:
         self.__dict__.update(inner.__dict__)
         self.seen: dict[tuple[str, int], torch.Tensor] = {}
+        self.decodes = 0  # positions handed over by observe_decodes
 
     def observe_many(self, items):
         for request_id, start, taps in items:
             for i in range(taps.shape[0]):
                 self.seen[(request_id, start + i)] = taps[i].clone()
         super().observe_many(items)
+
+    def observe_decodes(self, request_ids, positions, taps):
+        for i, (request_id, pos) in enumerate(zip(request_ids, positions)):
+            self.seen[(request_id, pos)] = taps[i].clone()
+        self.decodes += len(request_ids)
+        super().observe_decodes(request_ids, positions, taps)
 
 
 def test_drafter_sees_the_targets_taps_at_committed_positions(model, trained):
@@ -166,7 +173,7 @@ def test_drafter_sees_the_targets_taps_at_committed_positions(model, trained):
     rec = Recording(engine.spec.drafter)
     engine.spec.drafter = rec
     truth = truth_of(jobs, drive(engine, jobs))
-    assert engine.spec.metrics.num_accepted_tokens > 0
+    assert engine.spec.metrics.num_accepted_tokens > 0 and rec.decodes > 0
     for rid, seq in truth.items():
         ref = tap_forward(model, [seq], TAPS)[0]
         got = sorted(pos for r, pos in rec.seen if r == rid)
@@ -390,3 +397,27 @@ def test_counted_memory_is_what_the_drafter_holds(model, tmp_path, bf16_head):
     held = sum(p.nbytes for p in d.model.parameters()) + sum(t.nbytes for t in copies + cache)
     held += twin.nbytes if bf16_head else 0
     assert d.nbytes == held == DsparkDrafter.memory_bytes(str(path), 5)
+
+
+def test_plain_decodes_handed_over_in_one_tensor_fill_the_same_context(model):
+    """observe_decodes (the step's plain decodes, one position each, in one tensor) leaves the context
+    cache as observe_many with one item per request does, a request finding every slot taken
+    included, and the next drafts are the same."""
+    cfg = drafter_config(model, num_layers=2, window=8)
+    m = DsparkModel(cfg).init_weights(11)
+    a, b = DsparkDrafter(m, model, max_requests=2), DsparkDrafter(m, model, max_requests=2)
+    gen = torch.Generator().manual_seed(2)
+    width = len(cfg.tap_layers) * cfg.hidden_size
+    prompts = {"x": torch.randn(5, width, generator=gen), "y": torch.randn(3, width, generator=gen)}
+    for d in (a, b):
+        d.observe_many([(rid, 0, t) for rid, t in prompts.items()])
+    for step in range(10):  # positions past the window: the ring wraps
+        ids, positions = ["x", "z", "y"], [5 + step, step, 3 + step]  # "z" finds both slots taken
+        rows = torch.randn(3, width, generator=gen)
+        a.observe_many([(rid, pos, rows[i : i + 1]) for i, (rid, pos) in enumerate(zip(ids, positions))])
+        b.observe_decodes(ids, positions, rows)
+    for name in ("k", "v", "pos", "taps", "unprojected"):
+        assert torch.equal(getattr(a.cache, name), getattr(b.cache, name)), name
+    assert a.cache.slot("z") is None and b.cache.slot("z") is None
+    seq = list(range(2, 2 + 15))
+    assert a.propose("x", seq, 4).tokens == b.propose("x", seq, 4).tokens

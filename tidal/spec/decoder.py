@@ -231,6 +231,16 @@ class SpecDecoder:
         for item in items:
             self.drafter.observe(*item)  # type: ignore[attr-defined]
 
+    def observe_decodes(self, request_ids: list[str], positions: list[int], rows: torch.Tensor) -> None:
+        """:meth:`observe` for plain decodes, one committed position each: request ``request_ids[i]``'s
+        position ``positions[i]`` has the tapped states ``rows[i]`` (the step's decodes in one tensor,
+        not a slice per request: a step that does not speculate pays little for keeping the context)."""
+        fast = getattr(self.drafter, "observe_decodes", None)
+        if fast is not None:
+            fast(request_ids, positions, rows)
+            return
+        self.observe([(rid, pos, rows[i : i + 1]) for i, (rid, pos) in enumerate(zip(request_ids, positions))])
+
     def commit(self, chains: list[tuple[Request, int, int, int, int]],
                taps: dict[str, torch.Tensor] | None = None) -> None:
         """``chains``: (request, tokens it had computed before the step, drafts, drafts accepted,

@@ -430,6 +430,22 @@ class DsparkDrafter:
             eager = torch.tensor(now, dtype=torch.bool, device=dev)
             self._project_rows(slot_t[eager] * W + pos_t[eager] % W, pos_t[eager], taps_t[eager])
 
+    @torch.inference_mode()
+    def observe_decodes(self, request_ids: Sequence[str], positions: Sequence[int], taps: torch.Tensor) -> None:
+        """:meth:`observe_many` for plain decodes (one position each: request ``request_ids[i]``'s
+        position ``positions[i]``, tapped states ``taps[i]``), with the rows handed over as one
+        tensor: kept, their keys and values computed when the request next drafts."""
+        slots = [self.cache.slot(rid, create=True) for rid in request_ids]
+        if None in slots:  # requests that found every cache slot taken keep no context
+            keep = [i for i, s in enumerate(slots) if s is not None]
+            if not keep:
+                return
+            slots, positions = [slots[i] for i in keep], [positions[i] for i in keep]
+            taps = taps[torch.tensor(keep, dtype=torch.long, device=taps.device)]
+        dev = self.device
+        self.cache.stage(torch.tensor(slots, dtype=torch.long, device=dev),
+                         torch.tensor(positions, dtype=torch.long, device=dev), taps.to(dev, torch.float32))
+
     def _project(self, slots: torch.Tensor) -> None:
         """Compute the keys/values of the handed-over positions of ``slots`` not computed yet."""
         self._project_rows(*self.cache.pending(slots))
