@@ -88,11 +88,11 @@ def test_float32_few_rows_against_a_large_weight(rows):
     ref = x.double() @ w.double().t()
     assert got.dtype == torch.float32 and torch.allclose(got.double(), ref, rtol=0, atol=1e-4)
     alone = torch.cat([F.linear(x[i : i + 1], w) for i in range(rows)])
-    assert dense._row_by_row(x, w) == (rows <= dense.ROW_BY_ROW_MAX_ROWS)
+    assert dense._few_rows(x, w) == (rows <= dense.ROW_BY_ROW_MAX_ROWS)
     if rows <= dense.ROW_BY_ROW_MAX_ROWS:
         assert torch.equal(got, alone)
     assert torch.equal(dense.linear(x[None], w)[0], got)  # leading dims are flattened the same way
-    assert not dense._row_by_row(x, w.contiguous())  # output-major: torch's product
+    assert not dense._few_rows(x, w.contiguous())  # output-major: torch's product
 
 
 def test_float32_rows_times_a_bf16_weight(kernel):
@@ -182,12 +182,10 @@ def test_float32_few_rows_against_a_bf16_valued_large_weight(kernel, rows):
     assert torch.equal(got, kernel(x, w.to(torch.bfloat16).contiguous()))
     assert torch.allclose(got.double(), x.double() @ w.double().t(), rtol=0, atol=1e-4)
     assert all(torch.equal(got[i], dense.linear(x[i : i + 1], w)[0]) for i in range(rows))
-    assert not dense._row_by_row(x, w)
     with torch.no_grad():
         w.mul_(2.0)  # still bf16 values
     assert torch.equal(dense.linear(x, w), 2 * got)
     with torch.no_grad():
         w[0, 0] = 1.0 + 2.0 ** -20  # not a bf16 value
     assert dense.bf16_twin(w) is None
-    assert dense._row_by_row(x, w) == (rows > 1)
     assert torch.equal(dense.linear(x, w), torch.cat([F.linear(x[i : i + 1], w) for i in range(rows)]))

@@ -105,12 +105,6 @@ def _few_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.numel() >= ROW_BY_ROW_MIN_WEIGHT and 1 <= rows <= ROW_BY_ROW_MAX_ROWS)
 
 
-def _row_by_row(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Few float32 rows against a large input-major weight without an exact bfloat16 copy: the
-    rows go one at a time (see the module docstring)."""
-    return _few_rows(x, w) and x.numel() > x.shape[-1] and (bf16_twin(w) is None or bf16_gemm_kernel() is None)
-
-
 # weight id -> (a weak reference to it, what identifies its values, its bf16 copy or None)
 _TWINS: dict[int, tuple[weakref.ref, tuple, torch.Tensor | None]] = {}
 

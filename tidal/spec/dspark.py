@@ -526,21 +526,22 @@ class DsparkDrafter:
             fast = draft_slots(head, *markov, prev, wanted, min_reach)
         if fast is not None:
             drafted, confidence = fast
-        for j in range(block if fast is None else 0):  # the Markov head: each slot's bias comes from the previous draft
-            base = head[rows, j] if head is not None else self._logits(h[rows, j])
-            logits = base + self.model.markov_bias(prev[rows])
-            top, token = logits.max(dim=-1)
-            conf = (top - logits.logsumexp(dim=-1)).exp()  # the draft's own probability
-            drafted[rows, j], confidence[rows, j], prev[rows] = token, conf, token
-            reach[rows] *= conf
-            # a block stops at its own size, or once it cannot be reached (with a margin: the cut
-            # itself is confident_prefix's, in float64)
-            going = wanted[rows] > j + 1
-            if min_reach > 0.0:
-                going &= reach[rows] >= min_reach * (1 - 1e-3)
-            rows = rows[going]
-            if not rows.numel():
-                break
+        else:
+            for j in range(block):  # the Markov head: each slot's bias comes from the previous draft
+                base = head[rows, j] if head is not None else self._logits(h[rows, j])
+                logits = base + self.model.markov_bias(prev[rows])
+                top, token = logits.max(dim=-1)
+                conf = (top - logits.logsumexp(dim=-1)).exp()  # the draft's own probability
+                drafted[rows, j], confidence[rows, j], prev[rows] = token, conf, token
+                reach[rows] *= conf
+                # a block stops at its own size, or once it cannot be reached (with a margin: the cut
+                # itself is confident_prefix's, in float64)
+                going = wanted[rows] > j + 1
+                if min_reach > 0.0:
+                    going &= reach[rows] >= min_reach * (1 - 1e-3)
+                rows = rows[going]
+                if not rows.numel():
+                    break
         for (i, _, _, k, _), tokens, conf in zip(live, drafted.tolist(), confidence.tolist()):
             draft = Draft(tokens[:k], confidence=conf[:k])
             cut = confident_prefix(draft, min_reach)
