@@ -6,7 +6,9 @@ Answers "did this change make decode faster" where the machine's speed drifts be
 each round runs every tree once per batch size, each in a fresh process importing tidal from that
 tree (bench_wait_policy.py's child: vs_llamacpp.py's 223M model, bf16 trunk, 2 threads, B prefilled
 128-token sequences, then --steps timed decode steps, median). Ratios are against the first tree of
-the same round; the load average is printed beside each round.
+the same round; the load average is printed beside each round. ``--clock cpu`` times a step by the
+process's CPU seconds instead (with ``--threads 1``: the step's own cost, which other processes on
+a shared machine hardly move; wall time is what a user sees).
 """
 
 from __future__ import annotations
@@ -28,16 +30,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     args = ap.parse_args(argv)
+    clock = "process_time" if args.clock == "cpu" else "perf_counter"
     trees = dict(t.split("=", 1) for t in args.tree)
     names = list(trees)
-    print(f"## decode ms/step by source tree, {args.threads} threads, load {os.getloadavg()[0]:.2f}")
+    print(f"## decode ms/step ({args.clock} clock) by source tree, {args.threads} threads, "
+          f"load {os.getloadavg()[0]:.2f}")
     print("| batch | round | " + " | ".join(names) + " | load |")
     print("|---" * (len(names) + 3) + "|")
     ratios: dict[tuple[int, str], list[float]] = {}
     for b in args.batches:
         for r in range(args.rounds):
-            ms = [run(f"{args.threads}:0", 0, args.steps, Path(trees[n]), b) * 1e3 for n in names]
+            ms = [run(f"{args.threads}:0", 0, args.steps, Path(trees[n]), b, clock) * 1e3 for n in names]
             cells = [f"{m:.1f}" + ("" if i == 0 else f" ({ms[0] / m:.2f}x)") for i, m in enumerate(ms)]
             for n, m in zip(names, ms):
                 ratios.setdefault((b, n), []).append(ms[0] / m)

@@ -762,18 +762,22 @@ def test_engine_greedy_tokens_equal_with_and_without_the_fused_kernels(monkeypat
     assert greedy(False) == want
 
 
-@pytest.mark.parametrize("kernel", ["mla_absorbed_for", "router", "kda_layer_step", "mlp_step", "moe_layer_step"])
+@pytest.mark.parametrize("kernel", ["mla_absorbed_for", "router", "kda_layer_step", "mlp_step", "moe_layer_step",
+                                    "mla_layer_step", "sigmoid_gate"])
 def test_engine_bf16_greedy_tokens_equal_with_and_without_a_kernel(monkeypatch, kernel):
     """bfloat16 embedded model: the same greedy tokens, batched and alone, whether MLA decode reads
     kv_b_proj's bf16 weight in place (csrc/mla_decode.c) or through the float32 copy of the torch
     path, and whether the router runs in one C call (csrc/moe_router.c) or as the torch ops of
     tidal/model/moe.py, and whether a KDA layer's decode step, a gated MLP and a whole MoE layer are
-    one C call each or the separate ones. (The MoE layer's one call runs its router itself: the
-    router's case turns it off.)"""
+    one C call each or the separate ones, and whether the MLA output gate is C's sigmoid or torch's.
+    (A layer's one call runs its parts itself: the router's case turns the MoE layer's off, the MLA
+    decode kernel's and the gate's the MLA layer's.)"""
     from tidal.ops import mla as mla_ops
 
     if kernel == "router":
         monkeypatch.setattr(fused_decode, "moe_layer_step", lambda *args: None)
+    if kernel in ("mla_absorbed_for", "sigmoid_gate"):
+        monkeypatch.setattr(fused_decode, "mla_layer_step", lambda *args: None)
     owner = mla_ops if kernel == "mla_absorbed_for" else fused_decode
     calls = []
     real = getattr(owner, kernel)

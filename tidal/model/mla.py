@@ -8,7 +8,7 @@ from torch import nn
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
 from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, derived_weight, fuse_linears, linear
-from tidal.ops import batch_invariant, dense
+from tidal.ops import batch_invariant, dense, fused_decode
 from tidal.ops.backends import mla_paged_decode, mla_prefill_attention
 from tidal.ops.mla import mla_absorbed_attention, mla_naive_attention
 from tidal.ops.mla_tiled import mla_tiled_attention
@@ -81,6 +81,9 @@ class KimiMLA(nn.Module):
         one. Over the pool's pages both read the cache in key tiles (memory bounded by the chunk,
         not the context); over a SimpleCache the reference kernels run."""
         T, n = x.shape[0], self.num_heads
+        stepped = self._decode_step(x, batch)
+        if stepped is not None:
+            return stepped
         q, kv, gate = self._project(x)
         q_nope, q_pe = q.reshape(T, n, self.qk_nope + self.qk_rope).split([self.qk_nope, self.qk_rope], dim=-1)
         c, k_pe = kv.split([self.kv_lora_rank, self.qk_rope], dim=-1)
@@ -94,9 +97,41 @@ class KimiMLA(nn.Module):
             out = self._attend(q_nope, q_pe, w, batch)
         out = out.reshape(T, n * self.v_dim)
         if gate is not None:
-            cdt = compute_dtype(x.dtype)
-            out = (out.to(cdt) * torch.sigmoid(gate.to(cdt))).to(x.dtype)
+            gated = fused_decode.sigmoid_gate(out, gate)  # a few rows: one C call
+            if gated is None:
+                cdt = compute_dtype(x.dtype)
+                gated = (out.to(cdt) * torch.sigmoid(gate.to(cdt))).to(x.dtype)
+            out = gated
         return self.o_proj(out)
+
+    def _decode_step(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """A bfloat16 decode step (every token the one new token of its sequence) over the engine's
+        pages as one C call (``fused_decode.mla_layer_step``), or None where it does not apply."""
+        cache = batch.cache
+        if (x.dtype != torch.bfloat16 or not x.is_cpu or x.dim() != 2 or len(batch.decode_seqs) != x.shape[0]
+                or self.context_parallel is not None or batch_invariant.enabled()
+                or not hasattr(cache, "mla_write_rows")):
+            return None
+        write = cache.mla_write_rows()
+        plan = self._step_plan() if write is not None else None
+        if plan is None:
+            return None
+        pages, table, lengths = cache.mla_pages(self.mla_index, batch.decode_seqs)
+        return fused_decode.mla_layer_step(plan, x, pages, table, lengths, write)
+
+    def _step_plan(self) -> fused_decode.StepPlan | None:
+        """The layer's weights as the one-call decode step takes them (kept while none changes), or None."""
+        c = self.config
+        ws, _ = self._in_weights()
+        in_ws = list(ws.weights) if isinstance(ws, dense.WeightParts) else list(ws)
+        lora = c.q_lora_rank is not None
+        params = (*in_ws, self.kv_a_layernorm.weight, self.kv_b_proj.weight, self.o_proj.weight,
+                  *((self.q_b_proj.weight, self.q_a_layernorm.weight) if lora else ()))
+        return derived_weight(self, "_step_plan_cached", params, lambda: fused_decode.mla_layer_plan(
+            in_ws, self.q_b_proj.weight if lora else None,
+            (self.q_a_layernorm.weight, self.q_a_layernorm.eps) if lora else None,
+            (self.kv_a_layernorm.weight, self.kv_a_layernorm.eps), self.kv_b_proj.weight, self.o_proj.weight,
+            self.num_heads, self.qk_nope, self.qk_rope, self.v_dim, self.scale))
 
     def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Attention of the step's queries over all of each sequence's latents -> [T, n, d_v]."""

@@ -39,6 +39,7 @@ FLAGS = [*PORTABLE_FLAGS[:1], "-march=native", *PORTABLE_FLAGS[1:]]
 # code (each its own translation unit, so their register tiles of different weight types coexist).
 LIBRARY_SOURCES: dict[str, tuple[str, ...]] = {
     "moe_layer_decode": ("moe_router", "mxfp4_gemm", "mlp_decode", "rms_norm"),
+    "mla_layer_decode": ("mla_decode", "rms_norm"),
 }
 
 
@@ -422,6 +423,13 @@ def activation_kernel() -> Callable | None:
 
 
 @cache
+def sigmoid_gate_kernel() -> Callable | None:
+    """csrc/activation.c's ``sigmoid_gate_rows`` (o * sigmoid(g) of rows: the MLA output gate), or None."""
+    return _function("activation", "sigmoid_gate_rows",
+                     [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, ctypes.c_int, ctypes.c_int])
+
+
+@cache
 def kda_layer_decode_kernel() -> Callable | None:
     """csrc/kda_layer_decode.c's ``kda_layer_decode``, or None."""
     return _function("kda_layer_decode", "kda_layer_decode",
@@ -530,6 +538,31 @@ def markov_draft_kernel() -> Callable | None:
     """csrc/markov_draft.c's ``markov_draft`` (the DSPARK drafter's slot loop), or None."""
     fn = _function("markov_draft", "markov_draft",
                    [_PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _PTR, _PTR, ctypes.c_float, _PTR, _PTR, ctypes.c_int])
+    if fn is not None:
+        fn.restype = ctypes.c_int
+    return fn
+
+
+class MlaLayerWeights(ctypes.Structure):
+    """csrc/mla_layer_decode.c's ``struct mla_layer_weights``: a bfloat16 MLA layer's weights by
+    address (the input projections q_a or q, kv_a and the output gate's; q_b, kv_b, o; the two norms'
+    weights) and its sizes."""
+
+    _fields_ = [
+        ("hidden", _I64), ("heads", _I64), ("q_rank", _I64), ("kv_rank", _I64), ("nope", _I64), ("rope", _I64),
+        ("v_dim", _I64), ("gated", _I64), ("in_w", _PTR * 3), ("in_stride", _I64 * 3), ("in_rows", _I64 * 3),
+        ("q_b_w", _PTR), ("q_b_stride", _I64), ("q_norm_w", _PTR), ("kv_norm_w", _PTR), ("q_norm_bf16", _I64),
+        ("kv_norm_bf16", _I64), ("q_eps", ctypes.c_float), ("kv_eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("kv_b_w", _PTR), ("o_w", _PTR), ("o_stride", _I64),
+    ]
+
+
+@cache
+def mla_layer_step_kernel() -> Callable | None:
+    """csrc/mla_layer_decode.c's ``mla_layer_step``, or None."""
+    fn = _function("mla_layer_decode", "mla_layer_step",
+                   [ctypes.POINTER(MlaLayerWeights), _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR,
+                    _PTR, ctypes.c_int])
     if fn is not None:
         fn.restype = ctypes.c_int
     return fn

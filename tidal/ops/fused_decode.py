@@ -31,12 +31,15 @@ from tidal.ops.cpu_kernels import (
     MlpWeights,
     kda_layer_decode_kernel,
     kda_layer_step_kernels,
+    mla_layer_step_kernel,
+    MlaLayerWeights,
     mlp_step_kernels,
     moe_layer_step_kernels,
     MoeLayerWeights,
     moe_router_kernel,
     mxfp4_moe_kernel,
     rms_norm_kernel,
+    sigmoid_gate_kernel,
 )
 
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -115,6 +118,21 @@ def gated_activation(gate: torch.Tensor, up: torch.Tensor, situ_betas: tuple[flo
     beta, linear_beta = situ_betas if situ_betas is not None else (1.0, 1.0)
     fn(_ptr(gate), gate.stride(0), _ptr(up), up.stride(0), _ptr(out), M, N, int(situ_betas is not None), beta,
        linear_beta, int(gate.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+def sigmoid_gate(o: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
+    """The MLA output gate ``o * sigmoid(g)`` of rows o, g [M, N] (any row strides) in float32 -> [M, N]
+    in o's dtype (csrc/activation.c: gated_act.h's vector sigmoid, within a few ulps of libm's)."""
+    if (not _applies(o, g) or g.dtype != o.dtype or not _rows_ok(o) or not _rows_ok(g) or g.shape != o.shape
+            or not _small(o.shape[0])):
+        return None
+    fn = sigmoid_gate_kernel()
+    if fn is None:
+        return None
+    out = torch.empty(o.shape, dtype=o.dtype)
+    fn(_ptr(o), o.stride(0), _ptr(g), g.stride(0), _ptr(out), o.shape[0], o.shape[1], int(o.dtype == torch.bfloat16),
+       torch.get_num_threads())
     return out
 
 
@@ -491,4 +509,72 @@ def moe_layer_step(plan: StepPlan, x: torch.Tensor) -> torch.Tensor | None:
     if status != 0:
         raise ValueError("moe_layer_step: expert ids outside the experts, or no scratch memory" if status == -1
                          else "moe_layer_step: the shared expert's gate and up weights differ in size")
+    return out
+
+
+def _norm_ok(w: torch.Tensor, n: int) -> bool:
+    return w.device.type == "cpu" and w.dtype in _DTYPES and w.is_contiguous() and w.numel() == n
+
+
+def mla_layer_plan(
+    in_ws: list[torch.Tensor], q_b: torch.Tensor | None, q_norm: tuple[torch.Tensor, float] | None,
+    kv_norm: tuple[torch.Tensor, float], kv_b: torch.Tensor, o_w: torch.Tensor, heads: int, nope: int, rope: int,
+    v_dim: int, scale: float,
+) -> StepPlan | None:
+    """The plan of a bfloat16 MLA layer for :func:`mla_layer_step`: in_ws the input projections'
+    weights (q_a, or q_proj without q-LoRA; kv_a; the output gate's, when gated), q_b (None without
+    q-LoRA) with q_a_layernorm's (weight, eps), kv_a_layernorm's, kv_b [heads (nope + v_dim), rank]
+    contiguous, o_proj. None where the one call does not take the layer. Build it once while no
+    weight changes (``tidal.model.layers.derived_weight``)."""
+    if mla_layer_step_kernel() is None or len(in_ws) not in (2, 3) or (q_b is None) != (q_norm is None):
+        return None
+    mats = [*in_ws, kv_b, o_w, *([q_b] if q_b is not None else [])]
+    if not all(_bf16_rows_weight(w) for w in mats) or not kv_b.is_contiguous():
+        return None
+    d, rank = in_ws[0].shape[1], kv_b.shape[1]
+    q_rank = in_ws[0].shape[0] if q_b is not None else 0
+    if (any(w.shape[1] != d for w in in_ws) or in_ws[1].shape[0] != rank + rope or kv_b.shape[0] != heads * (nope + v_dim)
+            or o_w.shape != (d, heads * v_dim) or (len(in_ws) == 3 and in_ws[2].shape[0] != heads * v_dim)
+            or (q_b is not None and q_b.shape != (heads * (nope + rope), q_rank))
+            or (q_b is None and in_ws[0].shape[0] != heads * (nope + rope))
+            or not _norm_ok(kv_norm[0], rank) or (q_norm is not None and not _norm_ok(q_norm[0], q_rank))):
+        return None
+    ws = list(in_ws) + [in_ws[0]] * (3 - len(in_ws))  # the unused third part is never read
+    weights = MlaLayerWeights(
+        hidden=d, heads=heads, q_rank=q_rank, kv_rank=rank, nope=nope, rope=rope, v_dim=v_dim, gated=int(len(in_ws) == 3),
+        in_w=(ctypes.c_void_p * 3)(*(w.data_ptr() for w in ws)), in_stride=(ctypes.c_int64 * 3)(*(w.stride(0) for w in ws)),
+        in_rows=(ctypes.c_int64 * 3)(*(w.shape[0] for w in ws)), q_b_w=q_b.data_ptr() if q_b is not None else None,
+        q_b_stride=q_b.stride(0) if q_b is not None else 0, q_norm_w=q_norm[0].data_ptr() if q_norm else None,
+        kv_norm_w=kv_norm[0].data_ptr(), q_norm_bf16=int(q_norm is not None and q_norm[0].dtype == torch.bfloat16),
+        kv_norm_bf16=int(kv_norm[0].dtype == torch.bfloat16), q_eps=q_norm[1] if q_norm else 0.0, kv_eps=kv_norm[1],
+        scale=scale, kv_b_w=kv_b.data_ptr(), o_w=o_w.data_ptr(), o_stride=o_w.stride(0))
+    tensors = (*mats, kv_norm[0], *([q_norm[0]] if q_norm else []))
+    return StepPlan(weights, tensors, 0, torch.empty(1, dtype=torch.float32))
+
+
+def mla_layer_step(plan: StepPlan, x: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
+                   write: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+    """:meth:`tidal.model.mla.KimiMLA.forward` of a decode step (one new token per sequence, row t of
+    x [T, hidden] bfloat16 for sequence t) in one C call -> [T, hidden] bfloat16, with the bits of
+    the separate calls it replaces; the new latents are written into their page rows ``write`` =
+    (page ids [T], rows in the page [T]) of pages [P, page_size, C] (bfloat16, each page's rows
+    contiguous), and attention reads ``lengths[t]`` rows of pages ``table[t]``. None where it does
+    not apply (more rows than the small kernels take, batch invariance, the kernels off)."""
+    w = plan.weights
+    T = x.shape[0]
+    if (not _applies(x, pages, *plan.tensors) or x.dtype != torch.bfloat16 or pages.dtype != torch.bfloat16
+            or not _rows_ok(x) or x.shape[1] != w.hidden or T > FUSED_MAX_ROWS or batch_invariant.enabled()
+            or pages.dim() != 3 or pages.stride()[1:] != (pages.shape[2], 1) or pages.shape[2] != w.kv_rank + w.rope
+            or table.shape[0] != T or lengths.shape != (T,) or write[0].shape != (T,) or write[1].shape != (T,)):
+        return None
+    fn = mla_layer_step_kernel()
+    if fn is None:
+        return None
+    table, lengths = table.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
+    out = torch.empty(T, w.hidden, dtype=torch.bfloat16)
+    status = fn(ctypes.byref(w), _ptr(x), x.stride(0), T, _ptr(pages), pages.stride(0), pages.shape[1], _ptr(table),
+                table.shape[1], _ptr(lengths), _ptr(write[0]), _ptr(write[1]), _ptr(out), torch.get_num_threads())
+    if status != 0:
+        raise ValueError("mla_layer_step: no scratch memory" if status == -1
+                         else "mla_layer_step: the projections' sizes do not fit the heads")
     return out

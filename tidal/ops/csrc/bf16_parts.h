@@ -73,3 +73,18 @@ static int bf16_parts_product(const float *x, int64_t M, int64_t K, int64_t part
     }
     return 0;
 }
+
+/* bfloat16 rows x [M, K] (row stride x_stride) times P bfloat16 weights side by side (as
+ * bf16_parts_product) -> bfloat16 out [M, N_0 + ...], contiguous: the torch form's bf16 linear
+ * (float32 sums, one rounding at the end). xf [M, K] and of [M, N] are float32 scratch; out may be
+ * x's memory (x is widened into xf before out is written). Returns bf16_parts_product's status. */
+static inline int bf16_rows_linear(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, int64_t parts,
+                                   const uint16_t *const *ws, const int64_t *w_strides, const int64_t *ns, float *xf,
+                                   float *of, uint16_t *out, int num_threads) {
+    int64_t N = 0;
+    for (int64_t p = 0; p < parts && p < MAX_PARTS; p++) N += ns[p];
+    widen_bf16(x, x_stride, M, K, xf);
+    const int status = bf16_parts_product(xf, M, K, parts, ws, w_strides, ns, of, num_threads);
+    if (status == 0) round_to_bf16(of, M * N, out);
+    return status;
+}

@@ -34,3 +34,14 @@ static inline void store_value(void *row, int64_t i, float v, int is_bf16) {
     else
         ((float *)row)[i] = v;
 }
+
+/* bfloat16 rows [T, n] (row stride) widened to float32 [T, n], contiguous */
+static inline void widen_bf16(const uint16_t *x, int64_t stride, int64_t T, int64_t n, float *out) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < n; i++) out[t * n + i] = bf16_to_float(x[t * stride + i]);
+}
+
+/* n float32 values rounded to bfloat16, as .to(torch.bfloat16) does */
+static inline void round_to_bf16(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = float_to_bf16(x[i]);
+}

@@ -3,6 +3,8 @@
  *   kind 0, SwiGLU: silu(g) * u
  * in the operation order of tidal.ops.activation's torch forms.
  *
+ * sigmoid_row (the KDA layer's gates, the MLA output gate): sigmoid(x), or mul * sigmoid(x).
+ *
  * gated_act: one value pair (libm's expf and tanhf). gated_act_row: n pairs of a row; on AVX2 builds
  * 8 at a time from the row's start with vector exp and tanh (Cephes' single-precision polynomials,
  * within a few ulps of libm's), the n % 8 tail by gated_act. Which form a value gets depends only on
@@ -84,4 +86,26 @@ static inline void gated_act_row(const float *g, const float *u, float *out, int
         _mm256_storeu_ps(out + i, gated_act8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i), kind, beta, linear_beta));
 #endif
     for (; i < n; i++) out[i] = gated_act(g[i], u[i], kind, beta, linear_beta);
+}
+
+static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* y = sigmoid(x) * (mul ? mul : 1) over n values; on AVX2 builds 8 at a time from the start with
+ * the vector exp above, the n % 8 tail with libm's: which form a value gets depends only on its
+ * place in the row (a KDA head, an MLA output gate), so a row's bits do not depend on the batch.
+ * sigmoid(NaN) is NaN, as libm's. */
+static inline void sigmoid_row(const float *x, const float *mul, float *y, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), xv));
+        __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        s = _mm256_blendv_ps(s, xv, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));  /* exp8 clamps NaN away */
+        if (mul != NULL) s = _mm256_mul_ps(_mm256_loadu_ps(mul + i), s);
+        _mm256_storeu_ps(y + i, s);
+    }
+#endif
+    for (; i < n; i++) y[i] = mul != NULL ? mul[i] * sigmoidf(x[i]) : sigmoidf(x[i]);
 }

@@ -33,27 +33,6 @@
 #include "delta_rule.h"
 #include "gated_act.h"
 
-static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-/* y = sigmoid(x) * (mul ? mul : 1) over n values; on AVX2 builds 8 at a time from the start with
- * gated_act.h's vector exp, the n % 8 tail with libm's: which form a value gets depends only on its
- * place in the head, so a row's bits do not depend on the batch. sigmoid(NaN) is NaN, as libm's. */
-static inline void sigmoid_row(const float *x, const float *mul, float *y, int64_t n) {
-    int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (; i + 8 <= n; i += 8) {
-        const __m256 xv = _mm256_loadu_ps(x + i);
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), xv));
-        __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, e));
-        s = _mm256_blendv_ps(s, xv, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));  /* exp8 clamps NaN away */
-        if (mul != NULL) s = _mm256_mul_ps(_mm256_loadu_ps(mul + i), s);
-        _mm256_storeu_ps(y + i, s);
-    }
-#endif
-    for (; i < n; i++) y[i] = mul != NULL ? mul[i] * sigmoidf(x[i]) : sigmoidf(x[i]);
-}
-
 /* y = e^x over n values, as sigmoid_row splits them (NaN stays NaN) */
 static inline void exp_row(const float *x, float *y, int64_t n) {
     int64_t i = 0;
@@ -248,8 +227,7 @@ int kda_layer_step(const struct kda_layer_weights *w, const uint16_t *x, int64_t
         return -1;
     float *xf = scratch, *proj = xf + T * d, *fa = proj + T * n_in, *ga = fa + T * K, *z = ga + T * R;
     float *gate = z + T * P, *o = gate + T * P, *of = o + T * P;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < d; i++) xf[t * d + i] = bf16_to_float(x[t * x_stride + i]);
+    widen_bf16(x, x_stride, T, d, xf);
     bf16_parts_product(xf, T, d, KDA_IN_PARTS, w->in_w, w->in_stride, w->in_rows, proj, num_threads);
     round_all(proj, T * n_in);
     take_columns(proj, n_in, 3 * P, T, K, fa);
@@ -278,6 +256,6 @@ int kda_layer_step(const struct kda_layer_weights *w, const uint16_t *x, int64_t
     }
     round_all(o, T * P);
     bf16_parts_product(o, T, P, 1, &w->o_w, &w->o_stride, &d, of, num_threads);
-    for (int64_t i = 0; i < T * d; i++) out[i] = float_to_bf16(of[i]);
+    round_to_bf16(of, T * d, out);
     return 0;
 }

@@ -63,16 +63,6 @@ struct moe_layer_weights {
  * below it, one thread on the larger branch costs more than the second thread saves. */
 #define SPLIT_MIN_SHARE 0.5
 
-/* bfloat16 rows [T, n] (row stride) widened to float32 [T, n] */
-static void widen(const uint16_t *x, int64_t stride, int64_t T, int64_t n, float *out) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < n; i++) out[t * n + i] = bf16_to_float(x[t * stride + i]);
-}
-
-static void round_bf16(const float *x, int64_t n, uint16_t *out) {
-    for (int64_t i = 0; i < n; i++) out[i] = float_to_bf16(x[i]);
-}
-
 /* x [T, d] -> the routed experts' sum in the model's width, bfloat16 [T, d] (routed): the torch
  * form's router, down projection (bf16 out), experts (float32, then .to(bfloat16)), norm (bf16 in
  * and out) and up projection (bf16 out). Returns 0, or -1 (no memory, an expert id out of range). */
@@ -92,9 +82,7 @@ static int routed_branch(const struct moe_layer_weights *w, const uint16_t *x, i
     const uint16_t *hx = x;
     int64_t h_stride = x_stride;
     if (latent) {  /* h = down(x), bfloat16 */
-        widen(x, x_stride, T, d, fd);
-        bf16_parts_product(fd, T, d, 1, &w->down_w, &w->down_stride, &de, fe, num_threads);
-        round_bf16(fe, T * de, h);
+        bf16_rows_linear(x, x_stride, T, d, 1, &w->down_w, &w->down_stride, &de, fd, fe, h, num_threads);
         hx = h, h_stride = de;
     }
     if (mxfp4_moe_tokens(hx, h_stride, 1, T, de, ids, wts, k, w->num_experts, w->w13, w->w13_scales, w->w13_parts,
@@ -102,13 +90,11 @@ static int routed_branch(const struct moe_layer_weights *w, const uint16_t *x, i
                          w->w2_scale_stride, (int)w->act_kind, w->beta, w->linear_beta, fe, num_threads))
         goto done;
     if (latent) {  /* up(norm(y)), each bfloat16 */
-        round_bf16(fe, T * de, y);
+        round_to_bf16(fe, T * de, y);
         if (w->norm_w != NULL) rms_norm_rows(y, de, y, de, w->norm_w, (int)w->norm_bf16, T, de, w->norm_eps, 1, num_threads);
-        widen(y, de, T, de, fe);
-        bf16_parts_product(fe, T, de, 1, &w->up_w, &w->up_stride, &d, fd, num_threads);
-        round_bf16(fd, T * d, routed);
+        bf16_rows_linear(y, de, T, de, 1, &w->up_w, &w->up_stride, &d, fe, fd, routed, num_threads);
     } else {  /* de == d */
-        round_bf16(fe, T * d, routed);
+        round_to_bf16(fe, T * d, routed);
     }
     status = 0;
 done:
