@@ -101,9 +101,9 @@ def test_greedy_equal_with_the_trained_drafter(model, trained, replay, budget):
 @pytest.mark.parametrize("replay", METHODS)
 def test_greedy_equal_with_chains_cut_by_confidence(model, trained, replay):
     """The policy verifies a drafted token only while the drafter's confidence, multiplied along
-    the block, stays at the least it asks for (here a fixed 0.01, the policy alternating chains and
-    plain steps): chains of several lengths, fewer drafted tokens than with every block verified
-    whole, outputs equal plain decoding either way."""
+    the block and calibrated on the chains verified before, stays at the least it asks for (here a
+    fixed 0.01, the policy alternating chains and plain steps): chains of several lengths, fewer
+    drafted tokens than with every block verified whole, outputs equal plain decoding either way."""
     from test_spec_policy import Alternating
 
     jobs = greedy_jobs(PROMPTS, (3, 24))
@@ -119,6 +119,9 @@ def test_greedy_equal_with_chains_cut_by_confidence(model, trained, replay):
         assert m.num_chains > 5 and m.num_accepted_tokens > 0
     assert drafted[0.01] < 0.8 * drafted[0.0], drafted
     assert len({c for c in m.position_drafted}) >= 3, m.position_drafted  # cut at several lengths
+    # the calibration measured chains of several lengths, and holds no chain's reach after the run
+    cal = engine.spec.calibration
+    assert len(cal.predicted) >= 3 and cal.reached[0] > 0 and not engine.spec._reach
 
 
 @pytest.mark.parametrize("replay, blocks", [(False, 6), (True, 6), (False, 64)])

@@ -46,7 +46,7 @@ def test_drafts_are_cut_where_their_chance_falls_below_a_positions_price():
     """A draft's verified prefix ends before the first token whose chance of being reached (the
     confidences multiplied) is below the least asked; the least grows with the batch (a verified
     position costs more of a token's worth when the step is full), within floor and cap."""
-    from tidal.spec.decoder import confident_prefix
+    from tidal.spec.drafter import confident_prefix
     from tidal.spec.drafter import Draft
 
     d = Draft([5, 6, 7, 8], confidence=[0.9, 0.5, 0.9, 0.2])

@@ -7,7 +7,8 @@
    decoding, measured per batch size; the engine reports each step's time with
    :meth:`SpecDecoder.record_step`). A draft that carries the drafter's confidences is cut
    where the chance of the target reaching the next token falls below what a verified position
-   costs at the step's batch size (:meth:`CostPolicy.min_confidence`).
+   costs at the step's batch size (:meth:`CostPolicy.min_confidence`), the drafter's chance
+   corrected by how often the target reached such positions lately (:mod:`tidal.spec.calibration`).
 2. The step plan carries each chain's state slots (:meth:`ChainMemory.slots`); the worker's
    runner runs chains with the decode numerics (:mod:`tidal.spec.verify`) beside the
    step's decodes and prefills, and returns every chain position's logits.
@@ -31,6 +32,7 @@ from tidal.config import ModelConfig
 from tidal.engine.request import Request
 from tidal.engine.sampler import SampleResult, SampleRow
 from tidal.spec.accept import accept_chain, chain_rows
+from tidal.spec.calibration import ReachCalibration, reach_of
 from tidal.spec.config import SpeculativeConfig
 from tidal.spec.drafter import Draft, Drafter, NgramDrafter, confident_prefix, propose_all
 from tidal.spec.metrics import SpecMetrics
@@ -103,8 +105,9 @@ class SpecDecoder:
         self.memory = ChainMemory(pool, model_config, config.rollback)
         self.metrics = SpecMetrics(config.num_draft_tokens)
         self.policy = CostPolicy() if config.adaptive else None
-        # request id -> (request, its length, drafts, decoding sequences of the step)
-        self._shadows: dict[str, tuple[Request, int, list[int], int]] = {}
+        # request id -> (request, its length, drafts, decoding sequences of the step, how many of the
+        # drafts a chain would verify, the drafts' predicted reach)
+        self._shadows: dict[str, tuple[Request, int, list[int], int, int, list[float]]] = {}
         self._plain_steps = 0
         self._next_shadow = SHADOW_EVERY
         self._shadow_seconds = 0.0  # the last shadow draft's time
@@ -112,6 +115,10 @@ class SpecDecoder:
         self._stretch_shadows = 0  # shadow drafts since the policy last chose chains
         # which requests draft in a speculating step (pauses after mostly rejected chains)
         self.backoff = RequestBackoff(config.min_accept_rate)
+        # the confidence cut on the reach the target was measured to give (tidal.spec.calibration),
+        # and the predicted reach of each verifying chain's drafts until its commit
+        self.calibration = ReachCalibration()
+        self._reach: dict[str, list[float]] = {}
 
     def extend(self, batch, budget: int) -> None:
         """Give decodes of the scheduled ``batch`` their drafts (``batch.drafts``), growing their
@@ -145,7 +152,7 @@ class SpecDecoder:
         for (i, req, c, k), draft in zip(where, drafts):
             if draft is None or not draft.tokens:
                 continue
-            tokens = draft.tokens[: min(k, confident_prefix(draft, least))]
+            tokens = draft.tokens[: min(k, self.calibration.prefix(draft, least))]
             if not tokens:
                 continue
             if any(not 0 <= t < self.vocab_size for t in tokens):
@@ -155,6 +162,8 @@ class SpecDecoder:
             probs = draft.probs[: len(tokens)] if draft.probs is not None else None
             conf = draft.confidence[: len(tokens)] if draft.confidence is not None else None
             batch.drafts[i] = Draft(tokens, probs, conf)
+            if conf is not None:
+                self._reach[req.request_id] = reach_of(batch.drafts[i])
             batch.query_lens[i] = 1 + len(tokens)
         if batch.drafts:
             batch.chain_memory = self.memory
@@ -182,16 +191,20 @@ class SpecDecoder:
         start = time.perf_counter()
         draft = propose_all(self.drafter, [(req.request_id, req.token_ids, k)], least)[0]
         self._shadow_seconds = time.perf_counter() - start
-        k = min(k, confident_prefix(draft, least)) if draft is not None else 0
-        if draft is None or not draft.tokens or k < 1:
+        # Scored on the drafter's own cut, not the calibrated one: positions the calibrated cut
+        # stopped verifying keep being measured, so a factor fallen on one stretch of text can rise again.
+        raw = draft.tokens[: min(k, confident_prefix(draft, least))] if draft is not None else []
+        if not raw:
             self.policy.record_shadow(n, 1)  # a speculative step would commit its one token
-        else:
-            self._shadows[req.request_id] = (req, req.num_tokens, list(draft.tokens[:k]), n)
+            return
+        reach = reach_of(draft)[: len(raw)]
+        self._shadows[req.request_id] = (req, req.num_tokens, list(raw), n,
+                                         min(len(raw), self.calibration.prefix(draft, least)), reach)
 
     def _score_shadows(self) -> None:
         """Shadow drafts whose positions the target has produced since (or whose request ended):
         the tokens a chain would have committed (the drafts up to the first miss, plus one)."""
-        for rid, (req, start, tokens, num_decodes) in list(self._shadows.items()):
+        for rid, (req, start, tokens, num_decodes, verified, reach) in list(self._shadows.items()):
             got = req.token_ids[start : start + len(tokens)]
             if len(got) < len(tokens) and not req.finished:
                 continue
@@ -201,7 +214,9 @@ class SpecDecoder:
                     break
                 accepted += 1
             del self._shadows[rid]
-            self.policy.record_shadow(num_decodes, accepted + 1)
+            if reach[: len(got)]:  # (a request that ended inside the drafts measured their prefix)
+                self.calibration.record(reach[: len(got)], accepted)
+            self.policy.record_shadow(num_decodes, min(accepted, verified) + 1)
 
     def record_step(self, batch, seconds: float, tokens: int) -> None:
         """The engine's measurement of a step (``seconds`` from before :meth:`extend` to its
@@ -256,6 +271,9 @@ class SpecDecoder:
             self.pool.truncate(req.request_id, req.num_computed_tokens + 1)
             self.metrics.record(drafted, accepted, appended)
             self.backoff.record(req.request_id, drafted, accepted)
+            reach = self._reach.pop(req.request_id, None)
+            if reach:
+                self.calibration.record(reach, accepted)
 
     def forget(self, request_id: str) -> None:
         shadow = self._shadows.get(request_id)
@@ -263,9 +281,11 @@ class SpecDecoder:
             self._score_shadows()  # a finished request's shadow is scored with what it produced
         self._shadows.pop(request_id, None)
         self.memory.release(request_id)
+        self._reach.pop(request_id, None)
         self.backoff.forget(request_id)
         self.drafter.forget(request_id)
 
     def release_all(self) -> None:
         """After a failed step: free every chain's extra memory."""
         self.memory.release_all()
+        self._reach.clear()
