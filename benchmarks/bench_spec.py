@@ -22,8 +22,14 @@ between two identical plain engines: the noise floor of the cell. ``slower`` mar
 median ratio is below 1 by more than the floor's largest deviation from 1 in that cell (slower
 than noise explains).
 
+``--trees A B`` compares source trees (e.g. ``main=git:main new=.``) in one command: this script
+runs from each in turn, ``--rounds`` times alternating (:mod:`trees`), and a summary lists each
+tree's rows; compare the trees' ratios (each against its own plain engine in the same run), not
+their tok/s.
+
     python benchmarks/bench_spec.py [--concurrency 1 8 32] [--k K] [--dspark-k K] [--tokens 64] [--threads 1]
         [--algorithms NGRAM DSPARK] [--workloads repeat chat code] [--repeats 3]
+        [--trees main=git:main new=. --rounds 2]
 """
 
 from __future__ import annotations
@@ -33,12 +39,15 @@ import inspect
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from tidal import LLM, SamplingParams
+
+from trees import run_trees
 
 CHAT = ["Tell me about the ocean.", "What is a good name for a cat?", "Explain recursion briefly.",
         "Write a haiku about autumn.", "How do I boil an egg?", "Why is the sky blue?",
@@ -120,7 +129,12 @@ def main() -> None:
     ap.add_argument("--replay", action="store_true", help="--enable-linear-replayssm-spec")
     ap.add_argument("--algorithms", nargs="+", default=["NGRAM", "DSPARK"], type=str.upper)
     ap.add_argument("--dspark-path", default=None, help="DSPARK drafter (default: the shipped one)")
+    ap.add_argument("--trees", nargs="+", default=None, help="name=PATH or name=git:REV of trees to compare")
+    ap.add_argument("--rounds", type=int, default=2, help="with --trees: runs of each tree, alternating")
     args = ap.parse_args()
+    if args.trees:
+        summary(run_trees("bench_spec.py", sys.argv[1:], args.trees, args.rounds), args.workloads)
+        return
     torch.set_num_threads(args.threads)
     dspark = args.dspark_path or str(Path(__file__).resolve().parents[1] / "tidal" / "assets" / "embedded-dspark")
     engines = {"plain": LLM(enable_prefix_caching=False)}
@@ -147,6 +161,15 @@ def main() -> None:
             floor = ratios(got["plain2"], got["plain"])
             for algo in args.algorithms:
                 print(cell(work, algo, conc, got[algo], got["plain"], floor), flush=True)
+
+
+def summary(lines: dict[str, list[str]], workloads: list[str]) -> None:
+    """Each tree's result rows (one per run), grouped by tree."""
+    print("\nsummary (per tree, one row per run):")
+    for name, got in lines.items():
+        for line in got:
+            if line.split(" ", 1)[0] in workloads:
+                print(f"{name:8} {line}")
 
 
 def round_robin(engines: dict[str, LLM], prompts: list[str], tokens: int, rounds: int) -> dict[str, list]:

@@ -12,8 +12,8 @@ observe = handing taps to the drafter, commit = accepting and rolling back chain
 (``time.process_time``, one torch thread) is what the step itself burns, so it is comparable
 across processes on a shared machine where wall time is not. Only decode-only steps count.
 
-``--trees A B``: run this script from each source tree in turn (alternating, ``--rounds`` each),
-so that two versions are compared in one command.
+``--trees A B``: run this script from each source tree in turn (alternating, ``--rounds`` each:
+:mod:`trees`, a tree a path or ``git:REV``), so that two versions are compared in one command.
 
     PYTHONPATH=. python benchmarks/bench_spec_steps.py [--concurrency 1 32] [--workload code] [--tokens 48]
         [--algorithms NGRAM DSPARK] [--rounds 2] [--trees main=/path/a new=/path/b]
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -35,6 +34,7 @@ from tidal import LLM, SamplingParams
 from tidal.spec.policy import CostPolicy
 
 from bench_spec import prompts_for
+from trees import run_trees
 
 
 class Fixed(CostPolicy):
@@ -139,25 +139,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=1, help="runs of each engine per concurrency")
     ap.add_argument("--algorithms", nargs="+", default=["NGRAM", "DSPARK"], type=str.upper)
-    ap.add_argument("--trees", nargs="+", default=None, help="name=path of source trees to compare")
+    ap.add_argument("--trees", nargs="+", default=None, help="name=PATH or name=git:REV of trees to compare")
     ap.add_argument("--rounds", type=int, default=2, help="with --trees: runs of each tree, alternating")
     args = ap.parse_args()
     if not args.trees:
         run_here(args)
         return
-    rest = [a for a in sys.argv[1:]]
-    i = rest.index("--trees")
-    j = i + 1
-    while j < len(rest) and not rest[j].startswith("--"):
-        j += 1
-    rest = rest[:i] + rest[j:]
-    for r in range(args.rounds):
-        for spec in args.trees:
-            name, _, path = spec.partition("=")
-            root = Path(path).resolve()
-            print(f"== {name} ({root}), round {r + 1}", flush=True)
-            subprocess.run([sys.executable, str(root / "benchmarks" / "bench_spec_steps.py"), *rest], cwd=root,
-                           env={**os.environ, "PYTHONPATH": str(root)}, check=True)
+    run_trees("bench_spec_steps.py", sys.argv[1:], args.trees, args.rounds)
 
 
 if __name__ == "__main__":
