@@ -31,16 +31,9 @@ int bf16_gemm_bf16_parts(const uint16_t *x, int64_t x_stride, int64_t M, int64_t
     int64_t N = 0;
     for (int64_t p = 0; p < parts && p < MAX_PARTS; p++) N += ns[p];
     float *xf = malloc((size_t)(M * K) * sizeof(float)), *of = malloc((size_t)(M * N) * sizeof(float));
-    if (xf == NULL || of == NULL) {
-        free(xf);
-        free(of);
-        return -1;
-    }
-    for (int64_t t = 0; t < M; t++)
-        for (int64_t k = 0; k < K; k++) xf[t * K + k] = bf16_to_float(x[t * x_stride + k]);
-    const int status = bf16_gemm_parts(xf, M, K, parts, ws, w_strides, ns, of, num_threads);
-    if (status == 0)
-        for (int64_t i = 0; i < M * N; i++) out[i] = float_to_bf16(of[i]);
+    int status = -1;
+    if (xf != NULL && of != NULL)
+        status = bf16_rows_linear(x, x_stride, M, K, parts, ws, w_strides, ns, xf, of, out, num_threads);
     free(xf);
     free(of);
     return status;
