@@ -14,10 +14,11 @@ Per model (through the engine, as the server runs it: float32 trunk, MXFP4 exper
   token-healed (the server's default for /v1/completions);
 - tool choice: share of the 40 held-out two-/three-tool prompts (tools and values training never
   declares, default effort ``low``) answered with a call of the right tool whose arguments are a
-  JSON object matching the declared schema, as the model writes it, held to the chat reply grammar
-  with the tool name left to the token mask, and as the server returns it (reply grammar, the tool
-  name chosen whole: tidal.engine.whole_choice); and the older metric, 50 prompts over the nine
-  named tools with held-out values (effort ``max``);
+  JSON object matching the declared schema, as the model writes it, as the server returns it by
+  default (held to the chat reply grammar, the tool name picked by its token mask), and as it
+  returns it under ``--tool-name-choice whole`` (each declared name scored whole:
+  tidal.engine.whole_choice); and the older metric, 50 prompts over the nine named tools with
+  held-out values (effort ``max``);
 - the README's chat example ("Write a Python function that reverses a list.") at the model's
   default effort: a closed fenced code block that parses within 64 tokens;
 - the older header metric: greedy completions of 100 held-out stdlib function headers that parse;
@@ -111,16 +112,16 @@ def targets(model_dir: str, args: argparse.Namespace, show: int, res: dict, t0: 
     print(f"  held-out 2/3-tool prompts (40): {ok:.1%} right tool with schema-valid arguments ({named:.1%} right tool)")
     for r in replies[:show]:
         print(f"  --- {r!r}")
-    ok_m, named_m, _ = pool_tool_rates(llm, 40, served=True, whole_names=False)
-    res.update(pool_masked_call_rate=ok_m, pool_masked_name_rate=named_m)
-    print(f"  the same held to the server's reply grammar, the tool name chosen by the token mask alone: "
-          f"{ok_m:.1%} right tool with schema-valid arguments ({named_m:.1%} right tool)")
     ok_s, named_s, replies_s = pool_tool_rates(llm, 40, served=True)
     res.update(pool_served_call_rate=ok_s, pool_served_name_rate=named_s)
-    print(f"  as the server returns them (reply grammar, tool name chosen whole; /v1/chat/completions, tool_choice "
-          f"auto): {ok_s:.1%} right tool with schema-valid arguments ({named_s:.1%} right tool)")
+    print(f"  as the server returns them (/v1/chat/completions, tool_choice auto: the reply grammar, the tool name "
+          f"picked by its token mask): {ok_s:.1%} right tool with schema-valid arguments ({named_s:.1%} right tool)")
     for r in replies_s[:show]:
         print(f"  --- {r!r}")
+    ok_w, named_w, _ = pool_tool_rates(llm, 40, served=True, whole_names=True)
+    res.update(pool_whole_call_rate=ok_w, pool_whole_name_rate=named_w)
+    print(f"  the same under --tool-name-choice whole (each declared name scored whole): "
+          f"{ok_w:.1%} right tool with schema-valid arguments ({named_w:.1%} right tool)")
     if not args.targets_only:
         ok9, named9, _ = tool_rates(load_model(model_dir, torch.float32), tok, 50)
         res.update(tool_call_rate=ok9, tool_name_rate=named9)

@@ -172,3 +172,17 @@ def test_whole_choice_is_independent_of_batch_chunking_and_prefix_cache(llm, tok
     assert alone == together[:3]
     other = LLM(str(embedded_model_dir()), max_num_batched_tokens=64, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in other.generate(prompts[::-1], params[::-1])] == together[::-1]
+
+
+@pytest.mark.parametrize("choice", ["mask", "whole"])
+def test_server_sets_choice_points_only_under_tool_name_choice_whole(choice):
+    from types import SimpleNamespace
+
+    from tidal.serve.app import ServerConfig, ServerState
+
+    state = SimpleNamespace(config=ServerConfig(["m"], "m", tool_name_choice=choice), need_chat=lambda: FMT)
+    tools = [tool("get"), tool("put")]
+    prompt = FMT.render([{"role": "user", "content": "hi"}], tools=tools)
+    spec = ServerState.reply_constraint(state, prompt, tools=tools, tool_choice="auto", content=None)
+    assert spec.llguidance is not None
+    assert spec.choice_points == (tool_choice_points(tools, "auto") if choice == "whole" else ())

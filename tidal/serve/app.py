@@ -85,6 +85,9 @@ class ServerConfig:
     force_include_usage: bool = False  # --enable-force-include-usage: every stream has usage on every chunk
     token_healing: bool = True  # /v1/completions text prompts, unless the request says (--no-token-healing)
     default_reasoning_effort: str = DEFAULT_EFFORT  # chat completions' effort when a request names none
+    # How a K3 chat reply's tool name is picked: "mask" (the grammar's token mask, token by token) or
+    # "whole" (each declared name scored whole, tidal.engine.whole_choice); --tool-name-choice.
+    tool_name_choice: str = "mask"
     image_limits: ImageLimits = field(default_factory=ImageLimits)
     stats_interval: float = 0.0  # seconds between periodic stats lines (0: none)
     info: dict[str, Any] = field(default_factory=dict)
@@ -199,12 +202,14 @@ class ServerState:
                          content: StructuredOutputsParams | None,
                          parallel_tool_calls: bool | None = None) -> StructuredOutputsParams | None:
         """The grammar of a chat reply in the checkpoint's format (tools, tool_choice, the
-        response body's format), with the points where the engine picks a tool name whole."""
+        response body's format), with the points where the engine picks a tool name whole (under
+        --tool-name-choice whole)."""
         chat = self.need_chat()
         try:
             grammar = chat.reply_grammar(prompt, tools=tools, tool_choice=tool_choice, content=content,
                                          parallel_tool_calls=parallel_tool_calls)
-            points = chat.reply_choice_points(tools=tools, tool_choice=tool_choice) if grammar is not None else ()
+            whole = grammar is not None and self.config.tool_name_choice == "whole"
+            points = chat.reply_choice_points(tools=tools, tool_choice=tool_choice) if whole else ()
         except ValueError as e:
             raise bad_request(str(e), "tool_choice" if "tool" in str(e) else "response_format") from e
         return StructuredOutputsParams(llguidance=grammar, choice_points=points) if grammar is not None else None

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "continuous_usage_stats")
     p.add_argument("--token-healing", action=argparse.BooleanOptionalAction, default=True,
                    help="token healing of /v1/completions text prompts (a request's token_healing field wins)")
+    p.add_argument("--tool-name-choice", default="mask", choices=["mask", "whole"],
+                   help="K3 chat: pick the called tool's name by the reply grammar's token mask, or score each "
+                        "declared name whole and write the best (README, 'Which tool')")
     p.add_argument("--no-ui", dest="ui", action="store_false", help="do not serve the chat page at / and /chat")
     p.add_argument("--default-reasoning-effort", default=None, choices=sorted(REQUEST_EFFORTS),
                    help="thinking effort of chat requests that name none (default: the model's own, from "
@@ -277,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         max_request_bytes=args.max_request_bytes, generation_defaults=generation_defaults(model_dir),
         reasoning_alias=args.reasoning_alias, ui=args.ui, tokens_as_ids=args.return_tokens_as_token_ids,
         force_include_usage=args.enable_force_include_usage,
-        token_healing=args.token_healing,
+        token_healing=args.token_healing, tool_name_choice=args.tool_name_choice,
         default_reasoning_effort=(request_effort(args.default_reasoning_effort) if args.default_reasoning_effort
                                   else model_default_effort(model_dir)),
         image_limits=ImageLimits(max_images=args.limit_mm_per_prompt, max_pixels=args.max_image_pixels,

@@ -275,11 +275,11 @@ def signature_rates(llm, signatures: list[str], max_tokens: int = 96) -> dict[st
 
 
 def chat_replies(llm, convs: list[Conversation], max_tokens: int, served: bool = False,
-                 whole_names: bool = True) -> list[str]:
+                 whole_names: bool = False) -> list[str]:
     """Greedy replies to ``convs``; with ``served``, each held to the reply grammar the server puts
     on a chat request with these tools (tool_choice auto: only declared tools, schema-valid
-    arguments), the tool name chosen whole (as the server does) or, without ``whole_names``, by
-    the token mask alone."""
+    arguments), the tool name picked by the token mask (the server's default) or, with
+    ``whole_names``, scored whole (``tidal serve --tool-name-choice whole``)."""
     from tidal.serve.chat import K3Format
 
     tok = llm.tokenizer
@@ -294,10 +294,10 @@ def chat_replies(llm, convs: list[Conversation], max_tokens: int, served: bool =
 
 
 def pool_tool_rates(llm, n: int = 40, max_tokens: int = 160, served: bool = False,
-                    whole_names: bool = True) -> tuple[float, float, list[str]]:
+                    whole_names: bool = False) -> tuple[float, float, list[str]]:
     """(valid right-tool call share, right-tool share, replies) over the held-out pool prompts: the
     model's own replies, or with ``served`` the replies /v1/chat/completions gives (reply grammar;
-    tool names chosen whole unless ``whole_names`` is off)."""
+    the tool name by the token mask, or scored whole with ``whole_names``)."""
     from tidal.train.conversations import heldout_pool_prompts
 
     convs = heldout_pool_prompts(random.Random(POOL_PROMPT_SEED), n)
