@@ -48,7 +48,8 @@ def test_two_nodes_serve_and_a_lost_node_turns_health_503() -> None:
         capacity = re.search(r"capacity: (\d+) KV tokens per rank x dcp 2 = (\d+) logical", log)
         assert capacity and int(capacity[2]) == 2 * int(capacity[1]) > 0, log
         r = httpx.post(f"{server.url}/v1/completions", timeout=120,
-                       json={"model": "tidal-test", "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0})
+                       json={"model": "tidal-test", "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0,
+                             "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8
         assert maps_the_checkpoint(rank_pid(1, addr))  # lazy, the default, on the other node's rank too

@@ -29,7 +29,7 @@ BOUNDARIES = [
     "def f(x):\n",  # "\n" + indentation is one token in training
     "def clamp(x, lo, hi):\n",
     "def __ini",  # mid-word: __init__
-    "    return self._na",
+    "    return self._ge",  # mid-word: the model's _get_value
     'if __name__ == "__ma',
 ]
 
@@ -91,7 +91,8 @@ def test_sampled_outputs_continue_the_prompt_and_their_logprobs_spell_the_text(l
     tok = llm.engine.tokenizer
     ids = tok.encode(cut)
     for seed in range(4):
-        out = run(llm, cut, token_healing=True, temperature=1.0, seed=seed, max_tokens=6, logprobs=0).outputs[0]
+        out = run(llm, cut, token_healing=True, temperature=1.0, seed=seed, max_tokens=6, logprobs=0,
+                  min_tokens=6).outputs[0]
         assert len(out.token_ids) == len(out.logprobs) == 6
         assert "".join(e[t].decoded_token for t, e in zip(out.token_ids, out.logprobs)) == out.text
         respelled = tok.decode(ids[-1:])
