@@ -1,7 +1,9 @@
 """Whole-name tool choice (tidal.engine.whole_choice) on the embedded model: the scores against a
-float64 full-sequence reference, the engine writing the best-scored name where the token mask
-would have written another, the pick independent of the batch, the chunking and the prefix
-cache, and the choice points the chat reply grammar declares."""
+float64 full-sequence reference (from the tokens alone, and as the engine computes them from the
+request's pool state, forwarding only the options' tokens), the engine writing the best-scored
+name where the token mask would have written another, the pick independent of the batch, the
+chunking and the prefix cache (the scores bit for bit in deterministic mode), and the choice points
+the chat reply grammar declares."""
 
 from __future__ import annotations
 
@@ -126,20 +128,77 @@ def test_scores_match_a_float64_full_sequence_forward(tok, convs):
     prefix = c.render(add_generation_prompt=True).token_ids(tok) + [tok.special_tokens["<|open|>"]]
     (_, options), = resolve_points(FMT.reply_choice_points(tools=c.tools, tool_choice="auto"), tok)
     got = score_continuations(model, prefix, options)
-    for ids, score in zip(options, got):
-        seq = torch.tensor(prefix + ids)
-        cache = SimpleCache(ref.config, 1, torch.float64)
-        with torch.no_grad():
-            logits = ref.compute_logits(ref(seq, simple_batch(ref.config, [len(seq)], cache, [0])))
-        logp = torch.log_softmax(logits, dim=-1)
-        want = float(logp[len(prefix) - 1 : -1].gather(1, torch.tensor(ids)[:, None]).sum())
-        assert score == pytest.approx(want, abs=2e-3)
+    assert got == pytest.approx(full_forward_scores(ref, prefix, options), abs=2e-3)
     assert len(set(got)) == len(got)
     with pytest.raises(ValueError, match="non-empty"):
         score_continuations(model, prefix, [[]])
 
 
+def full_forward_scores(ref, prefix: list[int], options: list[list[int]]) -> list[float]:
+    """Each option's float64 log-probability after ``prefix`` from one plain forward over prefix + option."""
+    out = []
+    for ids in options:
+        seq = torch.tensor(prefix + ids)
+        cache = SimpleCache(ref.config, 1, torch.float64)
+        with torch.no_grad():
+            logits = ref.compute_logits(ref(seq, simple_batch(ref.config, [len(seq)], cache, [0])))
+        logp = torch.log_softmax(logits, dim=-1)
+        out.append(float(logp[len(prefix) - 1 : -1].gather(1, torch.tensor(ids)[:, None]).sum()))
+    return out
+
+
+def record_choices(llm) -> tuple[list[dict], object]:
+    """Wrap the engine's whole-name choice: per choice point the request's tokens, the options, the
+    scores the worker returned and how many tokens the model forwarded to get them. Returns the
+    records and an undo."""
+    core, worker = llm.engine, llm.engine.worker
+    model, calls = worker.model, []
+    real_choose, real_score, real_forward = core._choose_whole, worker.score, model.forward
+
+    def forward(ids, *args, **kwargs):
+        calls[-1]["forwarded"] += ids.numel()
+        return real_forward(ids, *args, **kwargs)
+
+    def score(*args):
+        model.forward = forward
+        try:
+            calls[-1]["scores"] = real_score(*args)
+        finally:
+            del model.forward
+        return calls[-1]["scores"]
+
+    def choose(req, matcher, last_logits):
+        calls.append({"tokens": list(req.token_ids), "options": [list(ids) for _, ids in matcher.pending],
+                      "forwarded": 0})
+        return real_choose(req, matcher, last_logits)
+
+    core._choose_whole, worker.score = choose, score
+
+    def undo() -> None:
+        del core._choose_whole, worker.score
+
+    return calls, undo
+
+
 # ---- through the engine ------------------------------------------------------------------------------
+
+def test_engine_scores_from_the_pool_state_match_a_float64_full_forward(llm, tok, convs):
+    """The engine scores the options from what the pool already holds for the request (no second
+    prefill: the model forwards only each option's tokens but its last), and the scores are the
+    float64 full forward's within float32 rounding."""
+    calls, undo = record_choices(llm)
+    try:
+        llm.generate(*requests(convs[:3], tok, whole=True))
+    finally:
+        undo()
+    assert len(calls) == 3
+    ref = load_model(embedded_model_dir(), torch.float64)
+    for call in calls:
+        assert call["forwarded"] == sum(len(o) - 1 for o in call["options"])
+        want = full_forward_scores(ref, call["tokens"], call["options"])
+        assert call["scores"] == pytest.approx(want, abs=2e-3)
+
+
 
 def test_engine_writes_the_best_whole_name_where_the_token_mask_writes_another(llm, tok, convs):
     """With choice points the name called is the one with the best whole score after the
@@ -172,6 +231,24 @@ def test_whole_choice_is_independent_of_batch_chunking_and_prefix_cache(llm, tok
     assert alone == together[:3]
     other = LLM(str(embedded_model_dir()), max_num_batched_tokens=64, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in other.generate(prompts[::-1], params[::-1])] == together[::-1]
+
+
+def test_whole_choice_scores_are_bit_identical_across_batch_and_chunking_in_deterministic_mode(tok, convs):
+    """Under deterministic inference the pool state a request's options are scored from has the
+    same bits in any batch or chunking, and so have the scores."""
+    from tidal import LLM
+
+    prompts, params = requests(convs[:3], tok, whole=True)
+    runs = []
+    for kwargs, order in (({}, [0, 1, 2]), ({}, [2]), ({"max_num_batched_tokens": 48}, [2, 1, 0])):
+        det = LLM(str(embedded_model_dir()), enable_deterministic_inference=True, **kwargs)
+        calls, _ = record_choices(det)
+        det.generate([prompts[i] for i in order], [params[i] for i in order])
+        runs.append({tuple(c["tokens"]): c["scores"] for c in calls})
+    assert len(runs[0]) == 3 and len(runs[1]) == 1
+    for key, scores in runs[1].items():
+        assert runs[0][key] == scores
+    assert runs[2] == runs[0]
 
 
 @pytest.mark.parametrize("choice", ["mask", "whole"])

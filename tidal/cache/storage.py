@@ -15,6 +15,7 @@ import torch
 
 from tidal.cache.allocator import CopyPages, CopyState, PoolCopy, ReplayStates, ZeroState
 from tidal.config import ModelConfig
+from tidal.model.context import SimpleCache
 from tidal.model.layers import compute_dtype
 from tidal.ops.mla import gather_pages
 from tidal.plan import PoolLayout
@@ -130,6 +131,25 @@ class PoolStorage:
     def read_latents(self, mla_layer: int, blocks: torch.Tensor, slots: torch.Tensor, length: int) -> torch.Tensor:
         return self._pages[blocks, slots, mla_layer].view(-1, self.config.mla_cache_width)[:length]
 
+    def snapshot(self, state_block: int, pages: list[int], length: int) -> SimpleCache:
+        """A reference cache of one sequence holding a copy of what the pool keeps for it: the KDA
+        states of ``state_block`` and the MLA latents of its first ``length`` tokens (``pages``, in
+        token order) -- what a forward of further tokens on top needs (whole-name choice), without
+        recomputing the sequence. ValueError with DCP, where this rank holds a share of the latents."""
+        if self.dcp_size > 1:
+            raise ValueError("a pool snapshot needs every latent: not with decode context parallelism")
+        if len(pages) * self.page_size < length:
+            raise ValueError(f"{len(pages)} pages hold fewer than {length} tokens")
+        cache = SimpleCache(self.config, 1, self.dtype, self.device)
+        for i in range(self.config.num_kda_layers):
+            cache.set_kda_state(i, self._conv_views[i][state_block : state_block + 1].clone(),
+                                self._rec_views[i][state_block : state_block + 1].clone())
+        ids = torch.tensor(pages[: -(-length // self.page_size)], dtype=torch.long, device=self.device)
+        blocks, slots = ids // self.pages_per_block, ids % self.pages_per_block
+        for layer in range(self.config.num_mla_layers):
+            cache.set_mla(layer, 0, self.read_latents(layer, blocks, slots, length))  # a gather: a copy
+        return cache
+
     def latent_pages(self, mla_layer: int) -> torch.Tensor:
         """One MLA layer's rows in every page: a strided view [num_blocks * pages_per_block, ps, C]
         indexed by global page id."""
@@ -170,7 +190,6 @@ class PoolCacheView:
         # which of the step's latents this rank stores (None: all of them)
         self._write_rows = torch.tensor(rows, dtype=torch.long, device=dev) if n > 1 else None
         self._reads: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._write_targets: tuple[torch.Tensor, torch.Tensor] | None = None  # mla_write_rows, once per step
 
     def kda_storage(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.storage.state_storage(kda_layer)
@@ -179,17 +198,6 @@ class PoolCacheView:
         if self._write_rows is not None:
             latents = latents.index_select(0, self._write_rows)
         self.storage.write_latents(mla_layer, *self._write, latents)
-
-    def mla_write_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(global page id [T], row in the page [T]) of each of the step's latents, in token order, for
-        kernels that write them in place (``tidal.ops.fused_decode.mla_layer_step``); None where this
-        rank stores only some of them (decode context parallelism)."""
-        if self._write_rows is not None:
-            return None
-        if self._write_targets is None:
-            blocks, slots, pos = self._write
-            self._write_targets = ((blocks * self.storage.pages_per_block + slots).contiguous(), pos.contiguous())
-        return self._write_targets
 
     def mla_read(self, mla_layer: int, seq: int) -> torch.Tensor:
         pages, _ = self._page_index((seq,))

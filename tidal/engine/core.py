@@ -520,9 +520,9 @@ class EngineCore:
     def _sample(self, batch: ScheduledBatch, logits: StepLogits) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         reqs = [batch.requests[b] for b in logits.sample_seqs]
-        for req in reqs:
+        for j, req in enumerate(reqs):
             if isinstance(req.constraint, WholeChoiceMatcher) and req.constraint.pending is not None:
-                self._choose_whole(req, req.constraint)
+                self._choose_whole(req, req.constraint, logits.sample_logits[j])
         rows = [SampleRow(r.params, r.generator, r.banned_tokens(), r.token_ids, r.num_prompt_tokens, r.constraint)
                 for r in reqs]
         for j, req in enumerate(reqs):
@@ -535,15 +535,20 @@ class EngineCore:
             outputs.append(req.to_output())
         return outputs
 
-    def _choose_whole(self, req: Request, matcher: WholeChoiceMatcher) -> None:
+    def _choose_whole(self, req: Request, matcher: WholeChoiceMatcher, last_logits: torch.Tensor) -> None:
         """At a choice point: score each open option whole after the request's tokens and force
-        the pick (tidal.engine.whole_choice). A request with images is left to the token mask
-        (the scorer runs the tokens alone)."""
+        the pick (tidal.engine.whole_choice), from the state this step left in the request's
+        state block and pages and its ``last_logits`` (no second prefill). A request with images
+        is left to the token mask."""
         if req.images:
             matcher.decline()
             return
         assert matcher.pending is not None
-        scores = self.worker.score(req.token_ids, [ids for _, ids in matcher.pending])
+        # Invariant: a sampled request has every token computed, so the pool holds its whole state.
+        assert req.num_computed_tokens == req.num_tokens
+        rid = req.request_id
+        scores = self.worker.score(self.pool.state_block(rid), self.pool.page_table(rid), req.num_tokens,
+                                   last_logits, [ids for _, ids in matcher.pending])
         matcher.choose(pick(scores, req.params, req.generator))
 
     def _append(self, req: Request, res, now: float) -> None:
@@ -588,22 +593,14 @@ class EngineCore:
         taps = self.worker.last_taps
         chains: dict[str, torch.Tensor] = {}
         seen = []
-        ids, positions, at = [], [], []  # plain decodes: one position each, handed over in one tensor
         for b, first, count, start in rows.taps:
             rid = batch.requests[b].request_id
             if b in batch.drafts:
                 chains[rid] = taps[start : start + count]
-            elif count == 1:
-                ids.append(rid)
-                positions.append(first)
-                at.append(start)
             else:
                 seen.append((rid, first, taps[start : start + count]))
         if seen:
             self.spec.observe(seen)
-        if ids:
-            one_run = at[-1] - at[0] == len(at) - 1  # consecutive rows (a decode-only step): a view
-            self.spec.observe_decodes(ids, positions, taps[at[0] : at[-1] + 1] if one_run else taps[at])
         return chains
 
     def _commit_chains(self, batch: ScheduledBatch, logits: StepLogits,

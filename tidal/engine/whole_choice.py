@@ -8,15 +8,21 @@ common wins whatever the rest says. Scoring each option as one string -- the sum
 log-probabilities of its canonical tokenisation, as SGLang's frontend ``select`` does -- compares
 the names the request's words actually support.
 
-Exactness: an option's score is a function of the request's own tokens only (its own forward,
-batch of one, from a copy of the prefix's cache), ties go to the earliest option, and a seeded
-request draws with its own generator: the pick never depends on the batch, the chunking or the
-cache.
+Cost: the engine already holds the request's state after its last token (KDA states in its state
+block, MLA latents in its pages) and that token's logits, so each option is scored by a forward of
+only its own tokens on top of a copy of that state (:func:`score_after`), never a second prefill of
+the prompt. :func:`score_continuations` computes the same from the tokens alone (its own prefill):
+the reference the tests hold the engine's scores to.
+
+Exactness: an option's score is a function of the request's state and its own tokens (a forward of
+batch one from its own copy of the state), ties go to the earliest option, and a seeded request
+draws with its own generator; the state is the engine's, so the pick is as independent of the
+batch, the chunking and the cache as the request's greedy tokens are (bit for bit under
+``--enable-deterministic-inference``).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -44,7 +50,7 @@ def resolve_points(points: Sequence[ChoicePoint], tokenizer: Any) -> list[tuple[
 class WholeChoiceMatcher(GrammarMatcher):
     """A grammar matcher with choice points. When the committed token is a point's trigger and
     the grammar accepts two or more of its options here, the matcher holds them in ``pending``;
-    the engine scores them (:func:`score_continuations`) and calls :meth:`choose`; the chosen
+    the engine scores them (:func:`score_after`) and calls :meth:`choose`; the chosen
     option's tokens are then forced one per step, and the grammar continues after them."""
 
     def __init__(self, inner: GrammarMatcher, points: list[tuple[int, list[list[int]]]]) -> None:
@@ -99,9 +105,8 @@ class WholeChoiceMatcher(GrammarMatcher):
 
 @torch.no_grad()
 def score_continuations(model: Any, prefix: Sequence[int], continuations: Sequence[Sequence[int]]) -> list[float]:
-    """Log-probability (float64 sum) of each continuation after ``prefix`` under ``model``: one
-    forward over the prefix into a reference cache, then each continuation from its own copy of
-    that cache, batch of one -- a continuation's score depends on its own tokens only."""
+    """Log-probability (float64 sum) of each continuation after ``prefix`` under ``model``, from the
+    tokens alone: one forward over the prefix into a reference cache, then :func:`score_after`."""
     if not prefix or any(not c for c in continuations):
         raise ValueError("score_continuations needs a non-empty prefix and non-empty continuations")
     config = model.config
@@ -109,14 +114,28 @@ def score_continuations(model: Any, prefix: Sequence[int], continuations: Sequen
     cache = SimpleCache(config, 1, model.dtype, device)
     ids = torch.tensor(list(prefix), dtype=torch.long, device=device)
     hidden = model(ids, simple_batch(config, [len(prefix)], cache, [0]))
-    first = torch.log_softmax(model.compute_logits(hidden[-1:]).double(), dim=-1)[0]
+    return score_after(model, cache, len(prefix), model.compute_logits(hidden[-1:])[0], continuations)
+
+
+@torch.no_grad()
+def score_after(model: Any, cache: SimpleCache, length: int, last_logits: torch.Tensor,
+                continuations: Sequence[Sequence[int]]) -> list[float]:
+    """Log-probability (float64 sum) of each continuation after a sequence of ``length`` tokens
+    whose state is ``cache`` (one sequence; left as it is) and whose last position gave
+    ``last_logits`` [vocab]: a continuation's first token is scored from those logits, the rest by a
+    forward of its own tokens but the last from its own fork of the cache, batch of one -- a
+    continuation's score depends on the state and its own tokens only."""
+    if length < 1 or any(not c for c in continuations):
+        raise ValueError("score_after needs a non-empty sequence and non-empty continuations")
+    config = model.config
+    device = next(model.parameters()).device
+    first = torch.log_softmax(last_logits.double(), dim=-1)
     scores = []
     for cont in continuations:
         total = float(first[cont[0]])
         if len(cont) > 1:
-            fork = copy.deepcopy(cache)
             rest = torch.tensor(list(cont[:-1]), dtype=torch.long, device=device)
-            h = model(rest, simple_batch(config, [len(cont) - 1], fork, [len(prefix)]))
+            h = model(rest, simple_batch(config, [len(cont) - 1], cache.fork(), [length]))
             logp = torch.log_softmax(model.compute_logits(h).double(), dim=-1)
             targets = torch.tensor(list(cont[1:]), dtype=torch.long, device=device)
             total += float(logp.gather(1, targets[:, None]).sum())

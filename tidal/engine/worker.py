@@ -13,7 +13,7 @@ import torch
 from tidal.cache.storage import PoolStorage
 from tidal.engine.cuda_graph import DEFAULT_MAX_BS
 from tidal.engine.plan import StepPlan
-from tidal.engine.whole_choice import score_continuations
+from tidal.engine.whole_choice import score_after
 from tidal.engine.runner import ModelRunner
 from tidal.model.kimi import KimiForCausalLM
 from tidal.multimodal.encoder_cache import EncoderCache
@@ -47,10 +47,14 @@ class Worker:
             return None
         return self.runner.execute(plan)
 
-    def score(self, prefix: list[int], continuations: list[list[int]]) -> list[float]:
-        """Each continuation's log-probability after ``prefix`` (whole-name choice), on this
-        rank's model outside the pool (tidal.engine.whole_choice.score_continuations)."""
-        return score_continuations(self.model, prefix, continuations)
+    def score(self, state_block: int, pages: list[int], length: int, last_logits: torch.Tensor,
+              continuations: list[list[int]]) -> list[float]:
+        """Each continuation's log-probability after a sequence the pool holds (whole-name choice):
+        its state block, its pages, its ``length`` tokens and its last position's logits, as the
+        last step left them. Reads the storage, never writes it: each continuation runs from a copy
+        (tidal.engine.whole_choice.score_after)."""
+        cache = self.storage.snapshot(state_block, pages, length)
+        return score_after(self.model, cache, length, last_logits, continuations)
 
     @property
     def last_taps(self) -> torch.Tensor | None:

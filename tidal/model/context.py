@@ -9,6 +9,7 @@ of those B sequences live. The model never knows whether that storage is a per-r
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -233,6 +234,22 @@ class SimpleCache:
     def set_kda_state(self, kda_layer: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         self.kda_conv[kda_layer] = conv
         self.kda_recurrent[kda_layer] = recurrent
+
+    def set_mla(self, mla_layer: int, seq: int, latents: torch.Tensor) -> None:
+        """Make ``latents`` [n, C] sequence ``seq``'s cached latents of one MLA layer."""
+        self.mla[mla_layer][seq] = latents.to(self.mla[mla_layer][seq].dtype)
+
+    def fork(self) -> "SimpleCache":
+        """A copy to run further tokens on, leaving this one as it is: its own KDA states (the model
+        updates those in place), the latents shared (mla_write replaces a sequence's tensor and
+        never writes into it)."""
+        other = copy.copy(self)
+        other.kda_conv = [t.clone() for t in self.kda_conv]
+        other.kda_recurrent = [t.clone() for t in self.kda_recurrent]
+        other.mla = [list(layer) for layer in self.mla]
+        other._cached_lens, other._query_lens = list(self._cached_lens), list(self._query_lens)
+        other.state_slots = list(self.state_slots)
+        return other
 
     def mla_write(self, mla_layer: int, latents: torch.Tensor) -> None:
         parts = torch.split(latents, self._query_lens)
