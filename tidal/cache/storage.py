@@ -190,6 +190,7 @@ class PoolCacheView:
         # which of the step's latents this rank stores (None: all of them)
         self._write_rows = torch.tensor(rows, dtype=torch.long, device=dev) if n > 1 else None
         self._reads: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._write_targets: tuple[torch.Tensor, torch.Tensor] | None = None  # mla_write_rows, once per step
 
     def kda_storage(self, kda_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.storage.state_storage(kda_layer)
@@ -198,6 +199,17 @@ class PoolCacheView:
         if self._write_rows is not None:
             latents = latents.index_select(0, self._write_rows)
         self.storage.write_latents(mla_layer, *self._write, latents)
+
+    def mla_write_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(global page id [T], row in the page [T]) of each of the step's latents, in token order, for
+        kernels that write them in place (``tidal.ops.fused_decode.mla_layer_step``); None where this
+        rank stores only some of them (decode context parallelism)."""
+        if self._write_rows is not None:
+            return None
+        if self._write_targets is None:
+            blocks, slots, pos = self._write
+            self._write_targets = ((blocks * self.storage.pages_per_block + slots).contiguous(), pos.contiguous())
+        return self._write_targets
 
     def mla_read(self, mla_layer: int, seq: int) -> torch.Tensor:
         pages, _ = self._page_index((seq,))

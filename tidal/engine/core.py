@@ -593,14 +593,22 @@ class EngineCore:
         taps = self.worker.last_taps
         chains: dict[str, torch.Tensor] = {}
         seen = []
+        ids, positions, at = [], [], []  # plain decodes: one position each, handed over in one tensor
         for b, first, count, start in rows.taps:
             rid = batch.requests[b].request_id
             if b in batch.drafts:
                 chains[rid] = taps[start : start + count]
+            elif count == 1:
+                ids.append(rid)
+                positions.append(first)
+                at.append(start)
             else:
                 seen.append((rid, first, taps[start : start + count]))
         if seen:
             self.spec.observe(seen)
+        if ids:
+            one_run = at[-1] - at[0] == len(at) - 1  # consecutive rows (a decode-only step): a view
+            self.spec.observe_decodes(ids, positions, taps[at[0] : at[-1] + 1] if one_run else taps[at])
         return chains
 
     def _commit_chains(self, batch: ScheduledBatch, logits: StepLogits,
