@@ -62,7 +62,7 @@ def labelled(owner, name: str, label: str) -> None:
 MODEL_MODULES = [
     (kda.KimiDeltaAttention, "forward", "KDA"), (mla.KimiMLA, "forward", "MLA"),
     (moe.KimiMoE, "forward", "MoE"), (moe.KimiMLP, "forward", "dense/shared MLP"),
-    (kimi, "apply_attn_res", "AttnRes"), (kimi.KimiForCausalLM, "compute_logits", "lm_head"),
+    (kimi, "attn_res_glue", "AttnRes (+ add, norm)"), (kimi.KimiForCausalLM, "compute_logits", "lm_head"),
     (layers.RMSNorm, "forward", "RMSNorm"),
 ]
 

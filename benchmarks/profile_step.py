@@ -80,7 +80,7 @@ def label_everything() -> None:
         (kda.KimiDeltaAttention, "forward", "KDA"), (mla.KimiMLA, "forward", "MLA"),
         (moe.KimiMoE, "forward", "MoE (router, glue)"), (moe.KimiMLP, "forward", "dense/shared MLP"),
         (fused_decode, "packed_experts", "routed experts (packed)"),
-        (kimi, "apply_attn_res", "AttnRes"), (kimi.KimiForCausalLM, "compute_logits", "lm_head"),
+        (kimi, "attn_res_glue", "AttnRes (+ add, norm)"), (kimi.KimiForCausalLM, "compute_logits", "lm_head"),
         (layers.RMSNorm, "forward", "RMSNorm"),
     ]:
         region(owner, name, label)

@@ -763,13 +763,14 @@ def test_engine_greedy_tokens_equal_with_and_without_the_fused_kernels(monkeypat
 
 
 @pytest.mark.parametrize("kernel", ["mla_absorbed_for", "router", "kda_layer_step", "mlp_step", "moe_layer_step",
-                                    "mla_layer_step", "sigmoid_gate"])
+                                    "mla_layer_step", "sigmoid_gate", "attn_res_glue"])
 def test_engine_bf16_greedy_tokens_equal_with_and_without_a_kernel(monkeypatch, kernel):
     """bfloat16 embedded model: the same greedy tokens, batched and alone, whether MLA decode reads
     kv_b_proj's bf16 weight in place (csrc/mla_decode.c) or through the float32 copy of the torch
     path, and whether the router runs in one C call (csrc/moe_router.c) or as the torch ops of
     tidal/model/moe.py, and whether a KDA layer's decode step, a gated MLP and a whole MoE layer are
-    one C call each or the separate ones, and whether the MLA output gate is C's sigmoid or torch's.
+    one C call each or the separate ones, whether the MLA output gate is C's sigmoid or torch's, and
+    whether the glue between sub-layers (residual add, AttnRes, RMSNorm) is one call or three.
     (A layer's one call runs its parts itself: the router's case turns the MoE layer's off, the MLA
     decode kernel's and the gate's the MLA layer's.)"""
     from tidal.ops import mla as mla_ops

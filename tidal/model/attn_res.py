@@ -53,15 +53,29 @@ def attn_res_params(owner: nn.Module, prefix: str, dim: int) -> None:
     setattr(owner, f"{prefix}_proj", proj)
 
 
-def apply_attn_res(
-    owner: nn.Module, prefix: str, partial: torch.Tensor, blocks: list[torch.Tensor], eps: float,
-    block_cache: list[torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """:func:`attn_res` with the weights registered on owner under ``prefix`` (the float32
-    pseudo-query kept on owner while they do not change)."""
-    norm, proj = getattr(owner, f"{prefix}_norm").weight, getattr(owner, f"{prefix}_proj").weight
-    query = None
-    if block_cache is not None and not (torch.is_grad_enabled() and (norm.requires_grad or proj.requires_grad)):
-        query = derived_weight(owner, f"_{prefix}_query", (norm, proj),
-                               lambda: (norm.float() * proj.reshape(-1).float()).contiguous())
-    return attn_res(partial, blocks, norm, proj, eps, block_cache, query)
+def _query(owner: nn.Module, prefix: str, norm: torch.Tensor, proj: torch.Tensor) -> torch.Tensor | None:
+    """The float32 pseudo-query norm * proj, kept on owner while they do not change; None under
+    autograd (the torch form then differentiates through them)."""
+    if torch.is_grad_enabled() and (norm.requires_grad or proj.requires_grad):
+        return None
+    return derived_weight(owner, f"_{prefix}_query", (norm, proj),
+                          lambda: (norm.float() * proj.reshape(-1).float()).contiguous())
+
+
+def attn_res_glue(
+    owner: nn.Module, prefix: str, partial: torch.Tensor, add: torch.Tensor | None, blocks: list[torch.Tensor],
+    eps: float, block_cache: list[torch.Tensor], norm: nn.Module,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What runs between two sub-layers: the partial sum ``s = partial + add`` (partial where add is
+    None), ``a = attn_res(s, blocks)`` with the weights registered on owner under ``prefix``, and
+    the next sub-layer's input norm(a) -> (s, a, norm(a)). One C call where the kernels take the
+    rows (fewer Python calls per sub-layer of a decode step), with the bits of the three ops."""
+    weight, proj = getattr(owner, f"{prefix}_norm").weight, getattr(owner, f"{prefix}_proj").weight
+    query = _query(owner, prefix, weight, proj)
+    if query is not None:
+        fused = fused_decode.attn_res_glue(partial, add, blocks, block_cache, query, eps, norm.weight, norm.eps)
+        if fused is not None:
+            return fused
+    total = partial if add is None else partial + add
+    a = attn_res(total, blocks, weight, proj, eps, block_cache, query)
+    return total, a, norm(a)

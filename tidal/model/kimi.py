@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tidal.config import ModelConfig
-from tidal.model.attn_res import apply_attn_res, attn_res_params
+from tidal.model.attn_res import attn_res_glue, attn_res_params
 from tidal.model.context import ForwardBatch
 from tidal.model.kda import KimiDeltaAttention
 from tidal.model.layers import Embedding, RMSNorm, compute_dtype, inference_layout, linear
@@ -38,9 +38,13 @@ class KimiDecoderLayer(nn.Module):
             attn_res_params(self, "self_attention_res", d)
             attn_res_params(self, "mlp_res", d)
 
+    @property
+    def ffn(self) -> nn.Module:
+        """The feed-forward sub-layer (MoE or dense MLP), without its input norm."""
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
-        return ffn(self.post_attention_layernorm(x))
+        return self.ffn(self.post_attention_layernorm(x))
 
     def attention(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.self_attn(self.input_layernorm(x), batch)
@@ -69,39 +73,43 @@ class KimiModel(nn.Module):
             positions, embeds = image_embeds
             h[positions] = embeds.to(h.dtype)
         if self.config.attn_res_block_size:
-            h = self._forward_attn_res(h, batch)
-        else:
-            for i, layer in enumerate(self.layers):
-                h = h + layer.attention(h, batch)
-                h = h + layer.feed_forward(h)
-                if i in batch.tap_layers:
-                    batch.taps[i] = h
+            return self._forward_attn_res(h, batch)
+        for i, layer in enumerate(self.layers):
+            h = h + layer.attention(h, batch)
+            h = h + layer.feed_forward(h)
+            if i in batch.tap_layers:
+                batch.taps[i] = h
         return self.norm(h)
 
     def _forward_attn_res(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Block AttnRes control flow, spec §4.3: blocks B, partial sum P (None = empty)."""
+        """Block AttnRes control flow, spec §4.3: blocks B, partial sum P (None = empty) -> the final
+        norm of the output AttnRes. A sub-layer's output is added to P by the glue that follows it
+        (``attn_res_glue``: P + out, AttnRes and the next norm, one C call on a decode step)."""
         eps = self.config.rms_norm_eps
         size = self.config.attn_res_block_size
         blocks: list[torch.Tensor] = []
         block_cache: list[torch.Tensor] = []  # what a kernel computes once per completed block
         partial: torch.Tensor | None = h
+        add: torch.Tensor | None = None  # the last sub-layer's output, not yet in partial
         for i, layer in enumerate(self.layers):
             assert partial is not None
-            a = apply_attn_res(layer, "self_attention_res", partial, blocks, eps, block_cache)
+            partial, a, x = attn_res_glue(layer, "self_attention_res", partial, add, blocks, eps, block_cache,
+                                          layer.input_layernorm)
             if i - 1 in batch.tap_layers:
                 batch.taps[i - 1] = a
             if i % size == 0:
                 blocks.append(partial)
                 partial = None
-            out = layer.attention(a, batch)
-            partial = out if partial is None else partial + out
-            m = apply_attn_res(layer, "mlp_res", partial, blocks, eps, block_cache)
-            partial = partial + layer.feed_forward(m)
+            out = layer.self_attn(x, batch)
+            partial, add = (out, None) if partial is None else (partial, out)
+            partial, _, x = attn_res_glue(layer, "mlp_res", partial, add, blocks, eps, block_cache,
+                                          layer.post_attention_layernorm)
+            add = layer.ffn(x)
         assert partial is not None
-        out = apply_attn_res(self, "output_attn_res", partial, blocks, eps, block_cache)
+        _, out, x = attn_res_glue(self, "output_attn_res", partial, add, blocks, eps, block_cache, self.norm)
         if len(self.layers) - 1 in batch.tap_layers:
             batch.taps[len(self.layers) - 1] = out
-        return out
+        return x
 
 
 class KimiForCausalLM(nn.Module):

@@ -40,6 +40,7 @@ FLAGS = [*PORTABLE_FLAGS[:1], "-march=native", *PORTABLE_FLAGS[1:]]
 LIBRARY_SOURCES: dict[str, tuple[str, ...]] = {
     "moe_layer_decode": ("moe_router", "mxfp4_gemm", "mlp_decode", "rms_norm"),
     "mla_layer_decode": ("mla_decode", "rms_norm"),
+    "attn_res": ("rms_norm",),
 }
 
 
@@ -389,6 +390,17 @@ def attn_res_kernels() -> tuple[Callable, Callable] | None:
                      [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_int, _PTR, ctypes.c_int])
     inv = _function("attn_res", "attn_res_inv_rms", [_PTR, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int, _PTR])
     return None if rows is None or inv is None else (rows, inv)
+
+
+@cache
+def attn_res_glue_kernel() -> Callable | None:
+    """csrc/attn_res.c's ``attn_res_glue`` (residual add, AttnRes and RMSNorm in one call), or None."""
+    fn = _function("attn_res", "attn_res_glue",
+                   [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, ctypes.c_float, _PTR, _PTR,
+                    ctypes.c_int, ctypes.c_float, _PTR, _I64, _I64, ctypes.c_int, ctypes.c_int])
+    if fn is not None:
+        fn.restype = ctypes.c_int
+    return fn
 
 
 @cache

@@ -15,6 +15,7 @@ batch or the thread count.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ from tidal.ops.triton import use_triton
 from tidal.ops.mxfp4_table import ExpertTable
 from tidal.ops.cpu_kernels import (
     activation_kernel,
+    attn_res_glue_kernel,
     attn_res_kernels,
     fused_decode_enabled,
     kda_layer_chain_kernel,
@@ -189,33 +191,75 @@ def packed_experts(
     return out
 
 
+def _blocks_ready(partial: torch.Tensor, blocks: list[torch.Tensor], block_cache: list[torch.Tensor], eps: float,
+                  inv_fn: Callable) -> bool:
+    """Whether the AttnRes kernels take these rows, after computing the inverse RMS of each block not yet
+    in ``block_cache`` (a block never changes once complete: once per block and forward pass)."""
+    if not _applies(partial, *blocks) or not _rows_ok(partial) or len(blocks) + 1 > 64 or any(
+            b.dtype != partial.dtype or not _rows_ok(b) or b.shape != partial.shape for b in blocks):
+        return False
+    T, D = partial.shape
+    if len(block_cache) > len(blocks) or any(c.shape[0] != T for c in block_cache):
+        return False
+    for b in blocks[len(block_cache):]:
+        inv = torch.empty(T, dtype=torch.float32)
+        inv_fn(_ptr(b), b.stride(0), T, D, eps, int(partial.dtype == torch.bfloat16), _ptr(inv))
+        block_cache.append(inv)
+    return True
+
+
+def _block_arrays(blocks: list[torch.Tensor], block_cache: list[torch.Tensor]) -> tuple[ctypes.Array, ...]:
+    """(row addresses, row strides, inverse-RMS addresses) of the blocks, as the C kernels take them."""
+    n = max(1, len(blocks))
+    return ((ctypes.c_void_p * n)(*[_ptr(b) for b in blocks]), (ctypes.c_int64 * n)(*[b.stride(0) for b in blocks]),
+            (ctypes.c_void_p * n)(*[_ptr(c) for c in block_cache[: len(blocks)]]))
+
+
 def attn_res(partial: torch.Tensor, blocks: list[torch.Tensor], block_cache: list[torch.Tensor],
              query: torch.Tensor, eps: float) -> torch.Tensor | None:
     """:func:`tidal.model.attn_res.attn_res` with the pseudo-query ``query`` [d] (float32). A block
     never changes once complete, so its inverse RMS is computed once, into ``block_cache`` (one
     [T] tensor per block, in order; the caller keeps the list for the forward pass)."""
-    if not _applies(partial, *blocks) or not _rows_ok(partial) or any(
-            b.dtype != partial.dtype or not _rows_ok(b) or b.shape != partial.shape for b in blocks):
-        return None
     fns = attn_res_kernels()
-    if fns is None or len(blocks) + 1 > 64:
+    if fns is None or not _blocks_ready(partial, blocks, block_cache, eps, fns[1]):
         return None
-    rows_fn, inv_fn = fns
     T, D = partial.shape
-    bf16 = int(partial.dtype == torch.bfloat16)
-    if len(block_cache) > len(blocks) or any(c.shape[0] != T for c in block_cache):
-        return None
-    for b in blocks[len(block_cache):]:
-        inv = torch.empty(T, dtype=torch.float32)
-        inv_fn(_ptr(b), b.stride(0), T, D, eps, bf16, _ptr(inv))
-        block_cache.append(inv)
     values = [*blocks, partial]
     pointers = (ctypes.c_void_p * len(values))(*[_ptr(v) for v in values])
     strides = (ctypes.c_int64 * len(values))(*[v.stride(0) for v in values])
-    inv = (ctypes.c_void_p * max(1, len(blocks)))(*[_ptr(c) for c in block_cache[: len(blocks)]])
+    inv = _block_arrays(blocks, block_cache)[2]
     out = torch.empty(T, D, dtype=partial.dtype)
-    rows_fn(pointers, strides, len(values), inv, _ptr(query), T, D, eps, bf16, _ptr(out), torch.get_num_threads())
+    fns[0](pointers, strides, len(values), inv, _ptr(query), T, D, eps, int(partial.dtype == torch.bfloat16), _ptr(out),
+           torch.get_num_threads())
     return out
+
+
+def attn_res_glue(
+    partial: torch.Tensor, add: torch.Tensor | None, blocks: list[torch.Tensor], block_cache: list[torch.Tensor],
+    query: torch.Tensor, eps: float, norm_weight: torch.Tensor, norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The glue between two sub-layers as one C call: ``s = partial + add`` (partial itself where add
+    is None), ``a = attn_res(s, blocks)`` (:func:`attn_res`; s itself without blocks) and
+    ``rms_norm(a, norm_weight)`` -> (s, a, the normed rows), each with the bits of its separate call;
+    None where one of those would not run in C."""
+    fn, fns = attn_res_glue_kernel(), attn_res_kernels()
+    if fn is None or fns is None or not _blocks_ready(partial, blocks, block_cache, eps, fns[1]):
+        return None
+    T, D = partial.shape
+    if add is not None and (add.dtype != partial.dtype or add.shape != partial.shape or not _rows_ok(add)
+                            or not _applies(add)):
+        return None
+    if not _applies(norm_weight) or not norm_weight.is_contiguous() or norm_weight.numel() != D:
+        return None
+    total = torch.empty(T, D, dtype=partial.dtype) if add is not None else partial
+    mixed = torch.empty(T, D, dtype=partial.dtype) if blocks else total
+    normed = torch.empty(T, D, dtype=partial.dtype)
+    pointers, strides, inv = _block_arrays(blocks, block_cache)
+    fn(_ptr(partial), partial.stride(0), _ptr(add) if add is not None else None, add.stride(0) if add is not None else 0,
+       _ptr(total), pointers, strides, len(blocks), inv, _ptr(query), eps, _ptr(mixed), _ptr(norm_weight),
+       int(norm_weight.dtype == torch.bfloat16), norm_eps, _ptr(normed), T, D, int(partial.dtype == torch.bfloat16),
+       torch.get_num_threads())
+    return total, mixed, normed
 
 
 def _kda_rows_ok(qkv: torch.Tensor, z: torch.Tensor, gate: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor,

@@ -61,3 +61,44 @@ void attn_res_rows(const void *const *values, const int64_t *strides, int64_t n_
         }
     }
 }
+
+/* rms_norm.c (this library links it: tidal.ops.cpu_kernels.LIBRARY_SOURCES) */
+void rms_norm_rows(const void *x, int64_t x_stride, void *y, int64_t y_stride, const void *w, int w_bf16, int64_t M,
+                   int64_t D, float eps, int x_bf16, int num_threads);
+
+/* The glue between two sub-layers (tidal.model.kimi.KimiModel._forward_attn_res), one call for the
+ * three ops the torch form runs: the partial sum's residual add, AttnRes over the blocks, the next
+ * sub-layer's RMSNorm, each with the bits of its own call.
+ *   sum = partial + add (add != NULL; rounded to the rows' dtype, as torch's add), else partial;
+ *   mixed = attn_res_rows([blocks..., sum]) (n_blocks > 0; else mixed is not written: it is sum);
+ *   normed = rms_norm_rows(mixed or sum, norm_w).
+ * blocks / partial / add: T rows of D values at their row strides; sum, mixed and normed T x D,
+ * contiguous; block_inv_rms as attn_res_rows's (one per block). Returns 0, or -1 for more values
+ * than attn_res_rows takes (then nothing is written). */
+int attn_res_glue(const void *partial, int64_t p_stride, const void *add, int64_t a_stride, void *sum,
+                  const void *const *blocks, const int64_t *b_strides, int64_t n_blocks,
+                  const float *const *block_inv_rms, const float *query, float eps, void *mixed, const void *norm_w,
+                  int norm_w_bf16, float norm_eps, void *normed, int64_t T, int64_t D, int is_bf16, int num_threads) {
+    if (n_blocks + 1 > MAX_VALUES) return -1;
+    const int64_t es = is_bf16 ? 2 : 4;
+    const void *src = partial;
+    int64_t src_stride = p_stride;
+    if (add != NULL) {
+        for (int64_t t = 0; t < T; t++) {
+            const char *p = (const char *)partial + t * p_stride * es, *a = (const char *)add + t * a_stride * es;
+            char *s = (char *)sum + t * D * es;
+            for (int64_t i = 0; i < D; i++) store_value(s, i, load_value(p, i, is_bf16) + load_value(a, i, is_bf16), is_bf16);
+        }
+        src = sum, src_stride = D;
+    }
+    if (n_blocks > 0) {
+        const void *values[MAX_VALUES];
+        int64_t strides[MAX_VALUES];
+        for (int64_t j = 0; j < n_blocks; j++) values[j] = blocks[j], strides[j] = b_strides[j];
+        values[n_blocks] = src, strides[n_blocks] = src_stride;
+        attn_res_rows(values, strides, n_blocks + 1, block_inv_rms, query, T, D, eps, is_bf16, mixed, num_threads);
+        src = mixed, src_stride = D;
+    }
+    rms_norm_rows(src, src_stride, normed, D, norm_w, norm_w_bf16, T, D, norm_eps, is_bf16, num_threads);
+    return 0;
+}
