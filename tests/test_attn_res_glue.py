@@ -54,11 +54,12 @@ def separate(owner, norm, partial, add, blocks):
 @pytest.mark.parametrize("n_blocks", [0, 1, 3])
 @pytest.mark.parametrize("with_add", [True, False])
 def test_glue_has_the_bits_of_the_separate_ops_and_matches_float64(dtype, n_blocks, with_add):
-    """1 and 5 rows: (s, a, norm(a)) == the separate ops', bitwise; a row alone == in the batch and 1
-    thread == 2; each against float64 from the same inputs, within the dtype's rounding."""
+    """1, 5 and 700 rows (a prefill chunk: the threaded add): (s, a, norm(a)) == the separate ops',
+    bitwise; a row alone == in the batch and 1 thread == 2; each against float64 from the same inputs,
+    within the dtype's rounding."""
     owner, norm = owner_and_norm(dtype, seed=60 + n_blocks)
     gen = torch.Generator().manual_seed(61)
-    for T in (1, 5):
+    for T in (1, 5, 700):
         partial, add = rows(T, dtype, gen), rows(T, dtype, gen) if with_add else None
         blocks = [rows(T, dtype, gen) for _ in range(n_blocks)]
         calls = []

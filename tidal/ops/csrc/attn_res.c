@@ -84,10 +84,16 @@ int attn_res_glue(const void *partial, int64_t p_stride, const void *add, int64_
     const void *src = partial;
     int64_t src_stride = p_stride;
     if (add != NULL) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && T * D >= 65536)
         for (int64_t t = 0; t < T; t++) {
             const char *p = (const char *)partial + t * p_stride * es, *a = (const char *)add + t * a_stride * es;
             char *s = (char *)sum + t * D * es;
-            for (int64_t i = 0; i < D; i++) store_value(s, i, load_value(p, i, is_bf16) + load_value(a, i, is_bf16), is_bf16);
+            if (is_bf16)
+                for (int64_t i = 0; i < D; i++)
+                    ((uint16_t *)s)[i] = float_to_bf16(bf16_to_float(((const uint16_t *)p)[i]) +
+                                                       bf16_to_float(((const uint16_t *)a)[i]));
+            else
+                for (int64_t i = 0; i < D; i++) ((float *)s)[i] = ((const float *)p)[i] + ((const float *)a)[i];
         }
         src = sum, src_stride = D;
     }
