@@ -6,8 +6,9 @@
 Under tidal's passive OpenMP waits every region that runs on more than one thread wakes a sleeping
 pool thread (and its end puts one back to sleep): on this machine that costs more than a small op's
 second thread saves. libgomp has no counter for it, so each child runs with a small shim in
-LD_PRELOAD that counts GOMP_parallel* calls (torch's pool and tidal's C kernels share one libgomp),
-split by whether the region got one thread (an ``if`` clause that was false: no wake-up) or more.
+LD_PRELOAD that counts GOMP_parallel* calls, sections included (the MoE layer step's routed and
+shared branches; torch's pool and tidal's C kernels share one libgomp), split by whether the region
+got one thread (an ``if`` clause that was false: no wake-up) or more.
 The model is vs_llamacpp.py's (223M, bf16 trunk); counts are per step, over --steps steps.
 """
 
@@ -46,6 +47,13 @@ LOOP(GOMP_parallel_loop_dynamic)
 LOOP(GOMP_parallel_loop_static)
 LOOP(GOMP_parallel_loop_guided)
 LOOP(GOMP_parallel_loop_runtime)
+typedef void (*sections_fn)(void (*)(void *), void *, unsigned, unsigned, unsigned);
+void GOMP_parallel_sections(void (*fn)(void *), void *data, unsigned n, unsigned count_, unsigned flags) {
+    static sections_fn real;
+    if (!real) real = (sections_fn)dlsym(RTLD_NEXT, "GOMP_parallel_sections");
+    count(n);
+    real(fn, data, n, count_, flags);
+}
 """
 
 CHILD = """
