@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from tidal.ops.argmax import argmax_rows
 from tidal.sampling_params import SamplingParams
 
 
@@ -162,11 +163,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[SampleResult]:
     greedy = [i for i, r in enumerate(rows) if r.params.greedy]
     random = [i for i, r in enumerate(rows) if not r.params.greedy]
     if not random:  # every row greedy (the usual decode step): no gather of the rows
-        tokens = raw.argmax(dim=-1)
+        tokens = argmax_rows(raw)
     else:
         tokens = torch.empty(B, dtype=torch.long, device=dev)
         if greedy:
-            tokens[greedy] = raw[greedy].argmax(dim=-1)
+            tokens[greedy] = argmax_rows(raw[greedy])
         sub = [rows[i] for i in random]
         x = filter_logits(raw[random], sub)
         probs = x.softmax(dim=-1)

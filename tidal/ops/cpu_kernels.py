@@ -404,6 +404,12 @@ def attn_res_glue_kernel() -> Callable | None:
 
 
 @cache
+def argmax_rows_kernel() -> Callable | None:
+    """csrc/argmax_rows.c's ``argmax_rows`` (torch.argmax(dim=-1) of float32 rows), or None."""
+    return _function("argmax_rows", "argmax_rows", [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int])
+
+
+@cache
 def bf16_rows_kernel() -> Callable[..., torch.Tensor] | None:
     """The same product for bfloat16 rows, in and out (csrc/bf16_gemm.c's ``bf16_gemm_bf16``): the
     bits of :func:`bf16_gemm_kernel` followed by ``.to(torch.bfloat16)``, without the two casts."""
