@@ -1,8 +1,8 @@
 """The greedy sampler's argmax of logits rows (``torch.argmax(dim=-1)``), in C on the CPU.
 
-torch's CPU argmax over a vocabulary row is a scalar loop (about 2 ns a value: 60 us a row of 32k,
-1.4 ms for 32 rows on one thread); csrc/argmax_rows.c picks the same index (the first maximum, the
-first NaN where there is one) with vector compares."""
+torch's CPU argmax reduces a row in a scalar loop, on one thread, and a step's logits are B rows of
+the whole vocabulary; csrc/argmax_rows.c picks the same index (the first maximum, the first NaN
+where there is one) with vector compares (benchmarks/bench_argmax.py has the figures)."""
 
 from __future__ import annotations
 
