@@ -19,6 +19,9 @@ Per model (through the engine, as the server runs it: float32 trunk, MXFP4 exper
   returns it under ``--tool-name-choice whole`` (each declared name scored whole:
   tidal.engine.whole_choice); and the older metric, 50 prompts over the nine named tools with
   held-out values (effort ``max``);
+- replies to chats with no tools declared (a terse system message + "Count to three.", and five
+  short requests; sampled, thinking off) that call a tool: as the model writes them, and as the
+  server returns them (held to the K3 skeleton: no tools element);
 - the README's chat example ("Write a Python function that reverses a list.") at the model's
   default effort: a closed fenced code block that parses within 64 tokens;
 - the older header metric: greedy completions of 100 held-out stdlib function headers that parse;
@@ -45,7 +48,7 @@ from tidal.train.code_tasks import HELDOUT_SIGNATURES
 from tidal.train.data import Corpus, load_sources
 from tidal.train.evaluate import (
     copy_loss, function_headers, header_rate, pool_tool_rates, readme_chat, signature_rates, stream_loss, tool_rates,
-    unigram_loss,
+    undeclared_call_counts, unigram_loss,
 )
 
 
@@ -122,6 +125,11 @@ def targets(model_dir: str, args: argparse.Namespace, show: int, res: dict, t0: 
     res.update(pool_whole_call_rate=ok_w, pool_whole_name_rate=named_w)
     print(f"  the same under --tool-name-choice whole (each declared name scored whole): "
           f"{ok_w:.1%} right tool with schema-valid arguments ({named_w:.1%} right tool)")
+    raw_calls, served_calls = undeclared_call_counts(llm), undeclared_call_counts(llm, served=True)
+    res.update(no_tools_raw_calls=raw_calls, no_tools_served_calls=served_calls)
+    print("  replies with no tools declared that call one (sampled, thinking off), as the model writes them / as "
+          "the server returns them: " + "; ".join(f"{req!r} {a}/{n} / {b}/{n}"
+                                                 for (req, a, n), (_, b, _) in zip(raw_calls, served_calls)))
     if not args.targets_only:
         ok9, named9, _ = tool_rates(load_model(model_dir, torch.float32), tok, 50)
         res.update(tool_call_rate=ok9, tool_name_rate=named9)

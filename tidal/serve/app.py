@@ -199,15 +199,17 @@ class ServerState:
         params.structured_outputs = spec
 
     def reply_constraint(self, prompt: RenderedPrompt, *, tools: Any, tool_choice: Any,
-                         content: StructuredOutputsParams | None,
-                         parallel_tool_calls: bool | None = None) -> StructuredOutputsParams | None:
+                         content: StructuredOutputsParams | None, parallel_tool_calls: bool | None = None,
+                         skeleton: bool = False) -> StructuredOutputsParams | None:
         """The grammar of a chat reply in the checkpoint's format (tools, tool_choice, the
         response body's format), with the points where the engine picks a tool name whole (under
-        --tool-name-choice whole)."""
+        --tool-name-choice whole). ``skeleton``: a reply the generation prompt opened that may
+        end (no ignore_eos) is held to the format's skeleton even when the request constrains
+        nothing, so it cannot call a tool nobody declared (K3; K2 replies stay free)."""
         chat = self.need_chat()
         try:
             grammar = chat.reply_grammar(prompt, tools=tools, tool_choice=tool_choice, content=content,
-                                         parallel_tool_calls=parallel_tool_calls)
+                                         parallel_tool_calls=parallel_tool_calls, skeleton=skeleton)
             whole = grammar is not None and self.config.tool_name_choice == "whole"
             points = chat.reply_choice_points(tools=tools, tool_choice=tool_choice) if whole else ()
         except ValueError as e:
@@ -483,9 +485,11 @@ def create_app(client: EngineClient, config: ServerConfig, tokenizer: Any, model
         # A continued message ends in its own text: heal it like a completion's text prompt.
         params.token_healing = body.continue_final_message and body.heal(config.token_healing)
         params.stop_token_ids = [*params.stop_token_ids, *st.chat_stop_ids(params.ignore_eos)]
+        # A continued message keeps its token healing (which a grammar would replace) and stays free.
         spec = st.reply_constraint(prompt, tools=body.tool_dicts(), tool_choice=body.tool_choice,
-                                   content=body.content_constraint(),
-                                   parallel_tool_calls=body.parallel_tool_calls)
+                                   content=body.content_constraint(), parallel_tool_calls=body.parallel_tool_calls,
+                                   skeleton=(body.add_generation_prompt and not body.continue_final_message
+                                             and not params.ignore_eos))
         await st.constrain(params, spec, "response_format")
         rid = oai.new_id("chatcmpl")
         samples = sample_requests(rid, ids, params, images=prompt.image_items)
@@ -568,7 +572,8 @@ def create_app(client: EngineClient, config: ServerConfig, tokenizer: Any, model
         choice = body.tool_choice or {}
         spec = st.reply_constraint(prompt, tools=anth.to_chat_tools(body), tool_choice=anth.to_tool_choice(choice),
                                    content=anth.output_format(body),
-                                   parallel_tool_calls=False if choice.get("disable_parallel_tool_use") else None)
+                                   parallel_tool_calls=False if choice.get("disable_parallel_tool_use") else None,
+                                   skeleton=not params.ignore_eos)
         await st.constrain(params, spec, "tool_choice")
         mid = oai.new_id("msg", sep="_")
         stream = await st.submit([EngineRequest(mid, ids, params, images=prompt.image_items)])

@@ -367,7 +367,7 @@ def register(app: FastAPI, st: Any) -> None:
         params.stop_token_ids = [*params.stop_token_ids, *st.chat_stop_ids(params.ignore_eos)]
         # tools, tool_choice and text.format are enforced by the chat format's reply grammar
         spec = st.reply_constraint(prompt, tools=tools, tool_choice=tool_choice, content=response_format_constraint(fmt),
-                                   parallel_tool_calls=body.parallel_tool_calls)
+                                   parallel_tool_calls=body.parallel_tool_calls, skeleton=not params.ignore_eos)
         await st.constrain(params, spec, "tool_choice")
         rid = _id("resp")
         stream = await st.submit([EngineRequest(rid, ids, params)], max_tokens_param="max_output_tokens")

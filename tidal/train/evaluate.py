@@ -334,3 +334,36 @@ def readme_chat(llm, effort: str, max_tokens: int = 64) -> tuple[bool, str]:
     except SyntaxError:
         return False, reply
     return True, reply
+
+
+# Chats that declare no tools: (messages, effort, seeds). A reply to one that calls a tool calls a tool
+# nobody declared; the server holds such replies to the K3 skeleton (no tools element).
+NO_TOOL_CHATS = (
+    ([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Count to three."}], "off", 32),
+    *(([{"role": "user", "content": r}], "off", 16) for r in ("Count to three.", "What is 2 + 2?", "Say hello.",
+                                                             "Name a colour.", README_CHAT)),
+)
+
+
+def undeclared_call_counts(llm, served: bool = False, max_tokens: int = 64) -> list[tuple[str, int, int]]:
+    """(request, replies that call a tool, replies) for each of NO_TOOL_CHATS, sampled at
+    temperature 1 with seeds 0..n-1; the replies as the model writes them, or with ``served`` held
+    to the grammar the server puts on a chat reply with no tools declared
+    (``K3Format.reply_grammar(prompt, skeleton=True)``). A reply calls a tool when it opens a
+    tools section (a call cut short by max_tokens is dropped by the parser, but the reply is as
+    wrong: its answer is missing)."""
+    from tidal.sampling_params import SamplingParams, StructuredOutputsParams
+    from tidal.serve.chat import K3Format
+    from tidal.serve.chat.xtml import OPEN, SEP
+
+    fmt, tok = K3Format(), llm.tokenizer
+    out = []
+    for messages, effort, n in NO_TOOL_CHATS:
+        prompt = fmt.render(messages, thinking=effort)
+        spec = StructuredOutputsParams(llguidance=fmt.reply_grammar(prompt, skeleton=True)) if served else None
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=max_tokens, skip_special_tokens=False,
+                                 stop_token_ids=fmt.stop_token_ids(tok), structured_outputs=spec) for s in range(n)]
+        outs = llm.generate([{"prompt_token_ids": prompt.token_ids(tok)}] * n, params)
+        calls = sum(f"{OPEN}tools{SEP}" in o.outputs[0].text for o in outs)
+        out.append((messages[-1]["content"] + (" (terse system)" if len(messages) > 1 else ""), calls, n))
+    return out

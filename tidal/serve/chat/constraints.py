@@ -233,12 +233,14 @@ def tool_choice_points(tools: list[dict[str, Any]] | None = None, tool_choice: A
 
 def reply_grammar(*, thinking: bool, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
                   content: StructuredOutputsParams | None = None, parallel_tool_calls: bool | None = None,
-                  strict: bool = False) -> str | None:
+                  strict: bool = False, skeleton: bool = False) -> str | None:
     """The llguidance grammar (JSON text) of a K3 reply under these constraints; None when the
-    request constrains nothing (no tools, no content constraint, no tool_choice). ValueError
-    naming the problem for a tool_choice naming an undeclared tool or an unusable schema."""
+    request constrains nothing (no tools, no content constraint, no tool_choice) unless
+    ``skeleton``: then the bare reply's grammar, which holds a reply with no tools declared to
+    the format's skeleton (no ``tools`` element: a model cannot call a tool nobody declared).
+    ValueError naming the problem for a tool_choice naming an undeclared tool or an unusable schema."""
     tools = tools or []
-    if constrains_nothing(tools, tool_choice, content):
+    if constrains_nothing(tools, tool_choice, content) and not skeleton:
         return None
     mode, wanted = tool_mode(tools, tool_choice)
     r = GrammarRules()

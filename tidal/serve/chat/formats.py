@@ -43,8 +43,9 @@ class ChatFormat:
 
     def reply_grammar(self, prompt: RenderedPrompt, **constraints: Any) -> str | None:
         """The llguidance grammar (JSON text) that holds a reply to ``prompt`` to ``constraints``
-        (tools, tool_choice, content, parallel_tool_calls, strict); None when they constrain
-        nothing; ValueError naming the problem."""
+        (tools, tool_choice, content, parallel_tool_calls, strict, skeleton); None when they
+        constrain nothing (and ``skeleton`` is off, or the format keeps such replies free);
+        ValueError naming the problem."""
         raise NotImplementedError
 
     def reply_choice_points(self, **constraints: Any) -> tuple[ChoicePoint, ...]:
@@ -94,5 +95,7 @@ class K2Format(ChatFormat):
     def parser(self, thinking=False, make_id=None) -> ReplyParser:
         return K2ReplyParser(make_id, self.other_specials)
 
-    def reply_grammar(self, prompt, **constraints) -> str | None:
+    def reply_grammar(self, prompt, skeleton: bool = False, **constraints) -> str | None:
+        # A K2 reply with nothing declared stays free, as before (the skeleton answers a K3 model's
+        # habit; a grammar costs every token and ends a request's speculation).
         return k2_reply_grammar(thinking=prompt.may_think, **constraints)
