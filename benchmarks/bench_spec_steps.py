@@ -6,6 +6,9 @@ time per step and per committed token of
 - ``<ALGO> backed-off``: the same engine told never to speculate, with everything else of the
   policy running (shadow drafts, the drafter's context taps): what a speculating engine costs
   where the policy has turned chains off, which should be what a plain engine costs;
+- ``<ALGO> adaptive`` (``--adaptive``): the engine with its own policy (exploring, probing and
+  backing off as it does in service; it keeps what it learnt across ``--repeats``): where chains
+  lose, what the policy's chain steps add to the backed-off cost;
 
 split into the engine's parts (draft = ``SpecDecoder.extend``, execute = the worker's forward,
 observe = handing taps to the drafter, commit = accepting and rolling back chains). CPU time
@@ -16,7 +19,7 @@ across processes on a shared machine where wall time is not. Only decode-only st
 :mod:`trees`, a tree a path or ``git:REV``), so that two versions are compared in one command.
 
     PYTHONPATH=. python benchmarks/bench_spec_steps.py [--concurrency 1 32] [--workload code] [--tokens 48]
-        [--algorithms NGRAM DSPARK] [--rounds 2] [--trees main=/path/a new=/path/b]
+        [--algorithms NGRAM DSPARK] [--adaptive] [--rounds 2] [--trees main=/path/a new=/path/b]
 """
 
 from __future__ import annotations
@@ -99,9 +102,11 @@ def run_here(args) -> None:
     engines: dict[str, LLM] = {"plain": LLM(enable_prefix_caching=False)}
     for algo in args.algorithms:
         extra = {"speculative_draft_model_path": dspark} if algo == "DSPARK" else {}
-        for mode, choice in (("chains", True), ("backed-off", False)):
+        modes = (("chains", True), ("backed-off", False)) + ((("adaptive", None),) if args.adaptive else ())
+        for mode, choice in modes:
             llm = LLM(enable_prefix_caching=False, speculative_algorithm=algo, **extra)
-            llm.engine.spec.policy = Fixed(choice)
+            if choice is not None:
+                llm.engine.spec.policy = Fixed(choice)
             if choice:
                 llm.engine.spec.backoff.min_rate = 0.0  # every step with a draft verifies it
             engines[f"{algo} {mode}"] = llm
@@ -116,8 +121,8 @@ def run_here(args) -> None:
         got = {name: ([], defaultdict(float)) for name in engines}
         for name, llm in engines.items():
             measure(llm, parts[name], prompts[:1], 4)  # warm-up
-        for _ in range(args.repeats):
-            for name, llm in engines.items():
+        for r in range(args.repeats):  # the engines in their order, reversed every other repeat
+            for name, llm in list(engines.items())[:: 1 if r % 2 == 0 else -1]:
                 steps, spent = measure(llm, parts[name], prompts, args.tokens)
                 got[name][0].extend(steps)
                 for k, v in spent.items():
@@ -139,6 +144,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=1, help="runs of each engine per concurrency")
     ap.add_argument("--algorithms", nargs="+", default=["NGRAM", "DSPARK"], type=str.upper)
+    ap.add_argument("--adaptive", action="store_true", help="also the engine with its own policy")
     ap.add_argument("--trees", nargs="+", default=None, help="name=PATH or name=git:REV of trees to compare")
     ap.add_argument("--rounds", type=int, default=2, help="with --trees: runs of each tree, alternating")
     args = ap.parse_args()
