@@ -212,7 +212,7 @@ def test_a_probe_costs_its_chains_tokens_at_the_loss():
     """A probing chain step commits tokens_per_sequence tokens at the loss ratio each: it costs that
     many times (loss - 1) plain steps more, and comes that much more rarely; a probing plain step
     costs (loss - 1) / tokens chain steps more."""
-    policy = CostPolicy(min_samples=1, probe_every=1, probe_overhead=0.5, skip_first=False)
+    policy = CostPolicy(min_samples=1, probe_every=1, probe_overhead=0.5, chain_probe_overhead=0.5, skip_first=False)
     # chains: 3 tokens a sequence in 6x a plain step's time, 2x a plain token
     assert policy.speculate(8) is True
     policy.record(8, True, 0.3, 24)
@@ -325,13 +325,25 @@ def test_a_probe_that_wins_switches():
 
 
 def test_no_first_try_above_a_bucket_where_speculation_lost():
-    policy = CostPolicy(min_samples=1, probe_overhead=0.5, probe_every=1, skip_first=False)
+    policy = CostPolicy(min_samples=1, probe_overhead=0.5, chain_probe_overhead=0.5, probe_every=1, skip_first=False)
     assert feed(policy, 8, {True: 0.03, False: 0.01}, 2) == [True, False]  # chains lose by 3x at 8
     # At 32: plain first (step 1), then chains only as probes, (3 - 1) / 0.5 = 4 steps apart while
-    # only the loss at 8 is known (steps 6 and 10), then (5 - 1) / 0.5 = 8 (at 32 they lose by 5x).
+    # only the loss at 8 is known (step 6, 4 after the first counted), then (5 - 1) / 0.5 = 8 from
+    # there (at 32 they lose by 5x).
     got = feed(policy, 32, {True: 0.05, False: 0.01}, 24)
-    assert [i + 1 for i, c in enumerate(got) if c] == [6, 10, 18]
+    assert [i + 1 for i, c in enumerate(got) if c] == [6, 14, 22]
     assert policy.speculate(2) is True  # a smaller bucket still explores
+
+
+def test_losing_chains_above_one_sequence_are_probed_on_a_quarter_budget():
+    """Chains whose token costs 2x a plain one: at one sequence probed every (2 - 1) / 0.01 = 100
+    steps, at 32 every (2 - 1) / 0.0025 = 400."""
+    policy = CostPolicy(skip_first=False)
+    probes = [i + 1 for i, c in enumerate(feed(policy, 32, {True: 0.02, False: 0.01}, 1300)) if c]
+    assert probes[0] == 1 and [b - a for a, b in zip(probes[1:], probes[2:])] == [400, 400], probes
+    policy = CostPolicy(skip_first=False)
+    probes = [i + 1 for i, c in enumerate(feed(policy, 1, {True: 0.02, False: 0.01}, 400)) if c]
+    assert len(probes) >= 6 and probes[-1] - probes[-2] == policy.probe_interval(1) == 100, probes
 
 
 @dataclass
@@ -389,3 +401,20 @@ def test_above_one_sequence_adjacent_pairs_decide_with_the_larger_margin(ratio, 
         lone.record(8, False, 0.010, 8)
         lone.record(8, True, 0.010 * 0.95 * 2, 16)
     assert lone.pair_ratio(8) is None and lone.winner(8) is True  # too few pairs: the window margin
+
+
+def test_a_probe_above_one_sequence_comes_as_rarely_as_its_measured_cost_beside_its_neighbours():
+    """Chain steps whose mean says 1.2x a plain token (interval (1.2 - 1) x 1 / 0.01 = 20) but each
+    of which costs 4 plain steps beyond its neighbour (a cold probe: 5x the time for 1 token a
+    sequence, the mean diluted by cheap chain steps not next to a plain one): probes come
+    (5 - 1) x 1 / 0.01 = 400 steps apart."""
+    policy = CostPolicy(skip_first=False, chain_probe_overhead=0.01)
+    for seconds in (0.05, 0.05):  # two adjacent pairs: chain (5x), plain
+        policy.record(32, True, seconds, 32)
+        policy.record(32, False, 0.01, 32)
+    for _ in range(6):
+        policy.record(32, True, 0.001, 32)  # cheap chain steps, no plain neighbour after the first
+    policy.record(32, False, 0.01, 32)
+    assert policy.winner(32) is False and policy.loss(32) < 2.0
+    assert sorted(policy.pair_extra[32])[len(policy.pair_extra[32]) // 2] == pytest.approx(4.0)
+    assert policy.probe_interval(32) == 400

@@ -47,7 +47,15 @@ plain step that happened to be slow kept chains on at 8 sequences where they los
 rarely as what one probe costs beyond a step of the winner, over ``probe_overhead``
 of such a step (:meth:`CostPolicy.probe_interval`; at least ``probe_every``, at most
 ``max_probe_every`` steps of the bucket), so that what probing costs stays near
-``probe_overhead`` of the bucket's time however far apart the two are.
+``probe_overhead`` of the bucket's time however far apart the two are. Above one sequence, where
+chains lose, probes get a quarter of that (``chain_probe_overhead``): there a probe drafts and
+verifies a block for every sequence, and what the policy then loses to plain decoding is
+largely its probes; the price is noticing a change of machine or text up to 4x later (the interval is
+measured from the last probe and follows the estimates as they change, shadow drafts' acceptance
+included). And above one sequence a probe's cost is also taken
+from the bucket's adjacent (chain, plain) pairs, where that says more: a chain step's time over
+its neighbour plain step's, less its tokens (a probe after a plain stretch pays first-use costs,
+the drafter's context of every request and cold memory, that the window's mean understates).
 
 Which requests of a speculating step draft is decided per request (:class:`RequestBackoff`): one
 whose last chains were mostly rejected pauses for a number of steps that doubles with each such
@@ -81,6 +89,9 @@ class CostPolicy:
     accept_window: int = 8
     probe_every: int = 4  # steps of a bucket between runs of the losing kind, at least (a close race: often)
     probe_overhead: float = 0.01  # what probing may cost, as a fraction of the bucket's time
+    # the same above one sequence where chains lose (their probes refresh only the chain step's time:
+    # the text's part is kept current by shadow drafts; see the module docstring)
+    chain_probe_overhead: float = 0.0025
     max_probe_every: int = 1024
     skip_first: bool = True  # the first step of each kind is not kept (first-use costs)
     margin: float = 0.03  # speculation must be this much cheaper per token to be chosen
@@ -94,11 +105,12 @@ class CostPolicy:
     samples: dict[tuple[int, bool], deque] = field(default_factory=dict)  # (seconds, sequences)
     acceptance: dict[int, deque] = field(default_factory=dict)  # per bucket: (tokens committed, sequences)
     steps: dict[int, int] = field(default_factory=dict)
-    _next_probe: dict[int, int] = field(default_factory=dict)
+    _probed: dict[int, int] = field(default_factory=dict)  # per bucket: its step count at the last probe
     _last: dict[int, bool] = field(default_factory=dict, repr=False)  # the last winner per bucket
     _warm: set = field(default_factory=set, repr=False)
     pairs: dict[int, deque] = field(default_factory=dict)  # per bucket: chain over plain seconds per token
-    _prev: dict[int, tuple[bool, float]] = field(default_factory=dict, repr=False)  # last step per bucket
+    pair_extra: dict[int, deque] = field(default_factory=dict)  # per bucket: a pair's chain step beyond its tokens
+    _prev: dict[int, tuple[bool, float, float]] = field(default_factory=dict, repr=False)  # last step per bucket
 
     def speculate(self, num_decodes: int, explore: bool = True) -> bool:
         """Whether a step with ``num_decodes`` decoding sequences should draft. ``explore`` False
@@ -119,8 +131,8 @@ class CostPolicy:
             if spec < self.min_samples and lost_below is None:
                 return True
             best = False
-        if n >= self._next_probe.setdefault(b, n + self.probe_interval(b)):
-            self._next_probe[b] = n + self.probe_interval(b)
+        if n - self._probed.setdefault(b, n) >= self.probe_interval(b):
+            self._probed[b] = n
             return not best
         return best
 
@@ -136,19 +148,24 @@ class CostPolicy:
             self._warm.add(speculated)
             return
         self._of(b, speculated).append((seconds, num_decodes + self.step_overhead))
-        self._pair(b, speculated, seconds / (num_decodes + self.step_overhead) / (tokens / num_decodes))
+        self._pair(b, speculated, seconds / (num_decodes + self.step_overhead) / (tokens / num_decodes),
+                   tokens / num_decodes)
 
-    def _pair(self, bucket: int, speculated: bool, per_token: float) -> None:
+    def _pair(self, bucket: int, speculated: bool, per_token: float, tokens: float) -> None:
         """Two adjacent steps of a bucket, one of each kind, make a pair: taken close in time, the
-        machine's load changes both alike and cancels in their ratio."""
+        machine's load changes both alike and cancels in their ratio. ``tokens``: the step's
+        committed tokens per sequence."""
         prev = self._prev.get(bucket)
-        self._prev[bucket] = (speculated, per_token)
+        self._prev[bucket] = (speculated, per_token, tokens)
         if prev is None or prev[0] == speculated:
             return
-        spec, plain = (per_token, prev[1]) if speculated else (prev[1], per_token)
+        (spec, t), plain = ((per_token, tokens), prev[1]) if speculated else ((prev[1], prev[2]), per_token)
         if bucket not in self.pairs:
             self.pairs[bucket] = deque(maxlen=2 * self.window)
+            self.pair_extra[bucket] = deque(maxlen=2 * self.window)
         self.pairs[bucket].append(spec / max(plain, 1e-12))
+        # the chain step's time beyond what its tokens are worth, in its neighbour plain step's
+        self.pair_extra[bucket].append((spec / max(plain, 1e-12) - 1.0) * t)
 
     def pair_ratio(self, bucket: int) -> float | None:
         """The median over the bucket's recent pairs of a chain step's seconds per token over its
@@ -220,7 +237,9 @@ class CostPolicy:
         winner, over ``probe_overhead`` of a winner's step. A probing chain step commits
         ``tokens_per_sequence`` tokens a sequence at ``loss`` times a plain token's cost, so it costs
         tokens x (loss - 1) plain steps more; a probing plain step costs (loss - 1) / tokens chain
-        steps more."""
+        steps more. Above one sequence, a probing chain step costs at least what the bucket's
+        adjacent pairs measured, and probes of losing chains get ``chain_probe_overhead``
+        (see the module docstring)."""
         loss = self.loss(bucket)
         if loss is None:
             loss, chains_lost = self._loss_below(bucket) or 1.0, True
@@ -228,13 +247,25 @@ class CostPolicy:
             chains_lost = self._last.get(bucket) is False
         tokens = max(1.0, self.tokens_per_sequence(bucket))
         extra = (loss - 1.0) * (tokens if chains_lost else 1.0 / tokens)
+        measured = sorted(self.pair_extra.get(bucket, ()))
+        if chains_lost and bucket > 1 and measured:
+            # what the bucket's chain steps cost beside their neighbours, where that is more: a probe
+            # after a plain stretch pays first-use costs (the drafter's context of every request,
+            # cold memory) that the window's mean does not show
+            extra = max(extra, measured[len(measured) // 2])
+        budget = self.probe_overhead if bucket == 1 or not chains_lost else self.chain_probe_overhead
         # (+1e-9: sums of equal samples in another order must not drop a whole step)
-        return int(min(self.max_probe_every, max(self.probe_every, extra / self.probe_overhead + 1e-9)))
+        return int(min(self.max_probe_every, max(self.probe_every, extra / budget + 1e-9)))
+
+    def _lost_below(self, bucket: int) -> int | None:
+        """The nearest smaller bucket where speculation lost (None: none)."""
+        lost = [b for b, s in self.samples if s and b < bucket and self.winner(b) is False]
+        return max(lost) if lost else None
 
     def _loss_below(self, bucket: int) -> float | None:
         """How much speculation lost by in the nearest smaller bucket where it lost (None: none)."""
-        lost = [b for b, s in self.samples if s and b < bucket and self.winner(b) is False]
-        return self.loss(max(lost)) if lost else None
+        below = self._lost_below(bucket)
+        return self.loss(below) if below is not None else None
 
     def _accept(self, bucket: int, sample: tuple[float, int]) -> None:
         if bucket not in self.acceptance:
