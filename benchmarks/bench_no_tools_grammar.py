@@ -5,8 +5,8 @@ The server holds such a reply to ``K3Format.reply_grammar(prompt, skeleton=True)
 plain chat request (the README's chat example at thinking off and at effort low) decoded by the embedded model with that grammar and without it, interleaved in one
 process: inter-token latency (the engine's own gaps between a request's tokens) at batch 1 and 8,
 each side run ``--rounds`` times in alternation, medians and their ratio. ``--dspark`` adds the
-same A/B with the shipped DSPARK drafter: a constrained request does not speculate, so there the
-grammar costs what speculation saved.
+same A/B with the shipped DSPARK drafter (a constrained request speculates too: its drafts are
+cut where the grammar rejects them, see benchmarks/bench_spec_grammar.py for accept lengths).
 
     python benchmarks/bench_no_tools_grammar.py [--rounds 5] [--tokens 32] [--threads 1] [--dspark]
 """

@@ -64,3 +64,31 @@ def test_speculative_servers_answer_like_the_plain_one(servers):
         assert "tidal:spec_decode_num_accepted_tokens_per_pos_total" in metrics
     plain = httpx.get(f"{servers['none']}/server_info", timeout=10.0).json()
     assert plain["internal_states"][0]["avg_spec_accept_length"] is None
+
+
+def chat(url: str, content: str) -> str:
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120.0, json={
+        "model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0})
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    return (msg.get("reasoning_content") or "") + "|" + (msg.get("content") or "")
+
+
+def test_chat_replies_held_to_the_skeleton_speculate_and_answer_like_the_plain_one(servers):
+    """Chat replies with no tools declared are held to the reply skeleton grammar; the speculative
+    servers draft for them too (more chains after the requests) and answer with the plain text."""
+    asks = ["Write a Python function that reverses a list.", "def fibonacci(n):\n" * 3]
+
+    def drafts(url: str) -> float:
+        metrics = httpx.get(f"{url}/metrics", timeout=10.0).text
+        return float(re.search(r'^tidal:spec_decode_num_drafts_total\{[^}]*\} (\S+)$', metrics, re.M).group(1))
+
+    before = {name: drafts(servers[name]) for name in ("ngram", "dspark")}
+    texts = {}
+    for name, url in servers.items():
+        with ThreadPoolExecutor(len(asks)) as pool:
+            texts[name] = list(pool.map(lambda a: chat(url, a), asks))
+    assert all(t != "|" for t in texts["none"])
+    assert texts["ngram"] == texts["none"] and texts["dspark"] == texts["none"]
+    for name in ("ngram", "dspark"):
+        assert drafts(servers[name]) > before[name], name

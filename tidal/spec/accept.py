@@ -14,20 +14,25 @@ distributed exactly as plain sampling from p would draw them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from tidal.engine.sampler import SampleResult, SampleRow, add_logprobs, filter_logits, process_logits, sample
 
 
-def chain_rows(row: SampleRow, drafts: list[int], eos_bans: tuple[int, ...], output_len: int, min_tokens: int
-               ) -> list[SampleRow]:
+def chain_rows(row: SampleRow, drafts: list[int], eos_bans: tuple[int, ...], output_len: int, min_tokens: int,
+               masks: Sequence[Any] | None = None) -> list[SampleRow]:
     """The sampler's row for each chain position j, as plain decode would build it after
-    accepting drafts[:j]: the history grows by them and the min_tokens ban lifts on time."""
+    accepting drafts[:j]: the history grows by them, the min_tokens ban lifts on time, and
+    ``masks[j]`` (a constrained request's: :mod:`tidal.spec.grammar_draft`) is the grammar's mask
+    in the state after drafts[:j]."""
     rows = []
     for j in range(len(drafts) + 1):
         banned = eos_bans if output_len + j < min_tokens else ()
         rows.append(SampleRow(row.params, row.generator, banned, [*row.token_ids, *drafts[:j]], row.prompt_len,
-                              None))
+                              masks[j] if masks is not None else None))
     return rows
 
 

@@ -9,6 +9,8 @@
    where the chance of the target reaching the next token falls below what a verified position
    costs at the step's batch size (:meth:`CostPolicy.min_confidence`), the drafter's chance
    corrected by how often the target reached such positions lately (:mod:`tidal.spec.calibration`).
+   A request held to a plain grammar has its draft cut before the first token the grammar
+   rejects, and keeps each chain position's mask for its verify (:mod:`tidal.spec.grammar_draft`).
 2. The step plan carries each chain's state slots (:meth:`ChainMemory.slots`); the worker's
    runner runs chains with the decode numerics (:mod:`tidal.spec.verify`) beside the
    step's decodes and prefills, and returns every chain position's logits.
@@ -35,6 +37,7 @@ from tidal.spec.accept import accept_chain, chain_rows
 from tidal.spec.calibration import ReachCalibration, reach_of
 from tidal.spec.config import SpeculativeConfig
 from tidal.spec.drafter import Draft, Drafter, NgramDrafter, confident_prefix, propose_all
+from tidal.spec.grammar_draft import FrozenMask, grammar_cut, masked_probs, speculable
 from tidal.spec.metrics import SpecMetrics
 from tidal.spec.policy import CostPolicy, RequestBackoff
 from tidal.spec.rollback import ChainMemory
@@ -119,6 +122,8 @@ class SpecDecoder:
         # and the predicted reach of each verifying chain's drafts until its commit
         self.calibration = ReachCalibration()
         self._reach: dict[str, list[float]] = {}
+        # a constrained request's verifying chain: each position's grammar mask, until its accept
+        self._masks: dict[str, list[FrozenMask]] = {}
 
     def extend(self, batch, budget: int) -> None:
         """Give decodes of the scheduled ``batch`` their drafts (``batch.drafts``), growing their
@@ -137,7 +142,7 @@ class SpecDecoder:
         for i, (req, n, c) in enumerate(zip(batch.requests, batch.query_lens, batch.cached_lens)):
             if budget <= 0:
                 break
-            if n != 1 or c != req.num_tokens - 1 or req.constraint is not None:
+            if n != 1 or c != req.num_tokens - 1 or not (req.constraint is None or speculable(req.constraint)):
                 continue
             k = min(cfg.num_draft_tokens, req.max_tokens - req.num_output_tokens - 1, budget)
             if k < 1:
@@ -157,9 +162,20 @@ class SpecDecoder:
                 continue
             if any(not 0 <= t < self.vocab_size for t in tokens):
                 raise ValueError(f"the drafter proposed a token outside the vocabulary: {tokens}")
+            masks = None
+            if req.constraint is not None:  # cut where the grammar rejects (the matcher is left as it was)
+                drafted = len(tokens)
+                tokens, masks = grammar_cut(req.constraint, tokens, self.vocab_size)
+                if not tokens:  # a draft the grammar rejects whole: backs off as a rejected chain would
+                    self.backoff.record(req.request_id, drafted, 0)
+                    continue
             if not self.memory.acquire(req.request_id, c, 1 + len(tokens)):
                 continue
             probs = draft.probs[: len(tokens)] if draft.probs is not None else None
+            if masks is not None:
+                self._masks[req.request_id] = masks
+                if probs is not None:
+                    probs = masked_probs(probs, masks)
             conf = draft.confidence[: len(tokens)] if draft.confidence is not None else None
             batch.drafts[i] = Draft(tokens, probs, conf)
             if conf is not None:
@@ -178,7 +194,8 @@ class SpecDecoder:
                                                                 self._plain_seconds, self._stretch_shadows)
         self._stretch_shadows += 1
         cands = [r for r, n, c in zip(batch.requests, batch.query_lens, batch.cached_lens)
-                 if n == 1 and c == r.num_tokens - 1 and r.constraint is None and r.request_id not in self._shadows]
+                 if n == 1 and c == r.num_tokens - 1 and (r.constraint is None or speculable(r.constraint))
+                 and r.request_id not in self._shadows]
         k = self.config.num_draft_tokens
         if not cands:
             return
@@ -194,6 +211,8 @@ class SpecDecoder:
         # Scored on the drafter's own cut, not the calibrated one: positions the calibrated cut
         # stopped verifying keep being measured, so a factor fallen on one stretch of text can rise again.
         raw = draft.tokens[: min(k, confident_prefix(draft, least))] if draft is not None else []
+        if raw and req.constraint is not None:  # a chain would verify only what the grammar allows
+            raw = grammar_cut(req.constraint, raw, self.vocab_size)[0]
         if not raw:
             self.policy.record_shadow(n, 1)  # a speculative step would commit its one token
             return
@@ -233,7 +252,7 @@ class SpecDecoder:
         eos = () if p.ignore_eos else tuple(req.eos_token_ids)
         row = SampleRow(p, req.generator, (), req.token_ids, req.num_prompt_tokens, None)
         rows = chain_rows(row, draft.tokens, eos + tuple(p.stop_token_ids or ()), req.num_output_tokens,
-                          p.min_tokens)
+                          p.min_tokens, self._masks.pop(req.request_id, None))
         return accept_chain(logits, draft.tokens, draft.probs, rows)
 
     def observe(self, items: list[tuple[str, int, torch.Tensor]]) -> None:
@@ -282,6 +301,7 @@ class SpecDecoder:
         self._shadows.pop(request_id, None)
         self.memory.release(request_id)
         self._reach.pop(request_id, None)
+        self._masks.pop(request_id, None)
         self.backoff.forget(request_id)
         self.drafter.forget(request_id)
 
@@ -289,3 +309,4 @@ class SpecDecoder:
         """After a failed step: free every chain's extra memory."""
         self.memory.release_all()
         self._reach.clear()
+        self._masks.clear()
