@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tidal.engine.grammar import GrammarMatcher, unpack_bitmask
+from tidal.engine.grammar import GrammarMatcher, _set_bits, unpack_bitmask
 
 
 class FrozenMask:
@@ -63,10 +63,11 @@ def _mask_now(m: GrammarMatcher, num_words: int) -> FrozenMask:
     grammar's tokens, plus the request's stop tokens once the grammar may end)."""
     words = torch.zeros(num_words, dtype=torch.int32)
     m.fill(words)
-    for t in m.extra_allowed():
-        if 0 <= t < 32 * num_words:
-            v = (int(words[t // 32]) & 0xFFFFFFFF) | (1 << (t % 32))
-            words[t // 32] = v - 2**32 if v >= 2**31 else v  # the int32 word of those 32 bits
+    extra = [t for t in m.extra_allowed() if 0 <= t < 32 * num_words]
+    if extra:
+        more = torch.zeros_like(words)
+        _set_bits(more, torch.tensor(extra, dtype=torch.long))
+        words |= more
     return FrozenMask(words)
 
 
