@@ -157,11 +157,12 @@ def test_gated_activation_rows_are_bitwise_batch_and_thread_invariant():
 
 def test_bf16_rows_in_and_out_equal_the_float32_kernel_rounded():
     """bfloat16 rows straight into the GEMM give the bits of widening them, the float32 kernel and
-    .to(bfloat16); strided rows too, and any leading shape through dense.linear."""
+    .to(bfloat16); strided rows too, and any leading shape through dense.linear. (With the AMX tiles
+    off: 9 rows take them, whose sums are not the float32 kernel's; tests/test_amx_tiles.py.)"""
     gen = torch.Generator().manual_seed(12)
     w = torch.randn(70, 96, generator=gen).bfloat16()
     x = torch.randn(9, 100, generator=gen).bfloat16()[:, 3:99]
-    with torch.inference_mode():
+    with torch.inference_mode(), cpu_kernels.amx_rows(0):
         got = cpu_kernels.bf16_rows_kernel()(x, w)
         want = cpu_kernels.bf16_gemm_kernel()(x.float(), w).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
@@ -481,12 +482,21 @@ def test_kda_whole_layer_step_matches_float64_token_by_token(monkeypatch, preset
 THREADED_HEADS = {"kda_num_heads": 4, "kda_head_dim": 128}
 
 
+@pytest.mark.parametrize("amx", [0, 1])
 @pytest.mark.parametrize("preset,heads,n", [(tiny_k3, {}, 4), (tiny_kimi_linear, {}, 4),
                                             (tiny_k3, THREADED_HEADS, 8)])
-def test_kda_whole_layer_step_has_the_bits_of_the_separate_calls(monkeypatch, preset, heads, n):
+def test_kda_whole_layer_step_has_the_bits_of_the_separate_calls(monkeypatch, preset, heads, n, amx):
     """The one call == the calls it replaces (parts product, f_b, the recurrent kernel, o_proj), bit
     for bit, in outputs and states; a row alone == in the batch and 1 == 2 threads, bitwise (also
-    where the batch's recurrent part is threaded and the row alone's is not)."""
+    where the batch's recurrent part is threaded and the row alone's is not). The products on the
+    FMA tiles (amx 0) and on the AMX tiles at every row count (amx 1: a row alone takes them too)."""
+    with cpu_kernels.amx_rows(amx) as in_force:
+        if in_force != amx:
+            pytest.skip("no AMX-BF16 tiles on this CPU")
+        kda_layer_step_against_separate_calls(monkeypatch, preset, heads, n)
+
+
+def kda_layer_step_against_separate_calls(monkeypatch, preset, heads, n) -> None:
     config = replace(preset(), **heads)
     layer = bf16_kda_layer(config, seed=23)
     gen = torch.Generator().manual_seed(24)

@@ -135,11 +135,20 @@ def count_calls(monkeypatch) -> list[bool]:
     return calls
 
 
+@pytest.mark.parametrize("amx", [0, 1])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_mla_layer_step_has_the_bits_of_the_separate_calls_and_matches_float64(monkeypatch, name):
+def test_mla_layer_step_has_the_bits_of_the_separate_calls_and_matches_float64(monkeypatch, name, amx):
     """Decode steps of 1 and 4 sequences (cached 0 to 9 rows, over page boundaries) on fresh random
     pages and rows: the one call's output and written latents == the separate calls', a sequence
-    alone == in the batch and 1 thread == 2, bitwise; the float64 layer within bf16 roundings."""
+    alone == in the batch and 1 thread == 2, bitwise; the float64 layer within bf16 roundings. The
+    bf16 products on the FMA tiles (amx 0) and on the AMX tiles at every row count (amx 1)."""
+    with cpu_kernels.amx_rows(amx) as in_force:
+        if in_force != amx:
+            pytest.skip("no AMX-BF16 tiles on this CPU")
+        mla_layer_step_against_separate_calls(monkeypatch, name)
+
+
+def mla_layer_step_against_separate_calls(monkeypatch, name) -> None:
     config = CONFIGS[name]()
     mla = bf16_mla(config, seed=51)
     pages = Pages(config, [9, 0, 4, 7], seed=52)

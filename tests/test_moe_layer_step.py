@@ -91,11 +91,20 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("amx", [0, 1])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_moe_layer_step_has_the_bits_of_the_separate_calls_and_matches_float64(monkeypatch, name):
+def test_moe_layer_step_has_the_bits_of_the_separate_calls_and_matches_float64(monkeypatch, name, amx):
     """On fresh random rows (1, 2, 5 and FUSED_MAX_ROWS of them, at a row stride): the one call ==
     the separate calls, a row alone == in the batch, 1 thread == 2 (whichever way the branches
-    run), bitwise; within the bfloat16 roundings of the float64 layer; more rows run the separate calls."""
+    run), bitwise; within the bfloat16 roundings of the float64 layer; more rows run the separate
+    calls. The bf16 products on the FMA tiles (amx 0) and on the AMX tiles at every row count (amx 1)."""
+    with cpu_kernels.amx_rows(amx) as in_force:
+        if in_force != amx:
+            pytest.skip("no AMX-BF16 tiles on this CPU")
+        moe_layer_step_against_separate_calls(monkeypatch, name)
+
+
+def moe_layer_step_against_separate_calls(monkeypatch, name) -> None:
     config = replace(tiny_k3(hidden_size=96, num_experts=12, top_k=3), **CONFIGS[name])
     moe = bf16_moe(config, seed=41, router_dtype=torch.float32 if "fp32" in name else torch.bfloat16)
     calls = []

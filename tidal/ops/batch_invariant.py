@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from tidal.ops.cpu_kernels import bf16_gemm_kernel, kda_decode_kernel, mla_decode_kernel
+from tidal.ops.cpu_kernels import amx_thread_off, bf16_gemm_kernel, kda_decode_kernel, mla_decode_kernel
 
 _mode = threading.local()
 
@@ -44,13 +44,16 @@ def enabled() -> bool:
 
 @contextmanager
 def deterministic_mode(on: bool = True) -> Iterator[None]:
-    """Run the block with the row-invariant ops (``on``) or the fast ones, restoring the mode after."""
+    """Run the block with the row-invariant ops (``on``) or the fast ones, restoring the mode after.
+    The C kernels' AMX tile path (whose order is not the FMA tiles') follows the mode per thread."""
     before = enabled()
     _mode.on = on
+    amx_thread_off(on)
     try:
         yield
     finally:
         _mode.on = before
+        amx_thread_off(before)
 
 
 def check_available(device: torch.device, dtype: torch.dtype) -> None:

@@ -8,6 +8,11 @@ rounding). Where no compiler works, or ``TIDAL_CPU_KERNELS=0``, the ``*_kernel``
 None and the torch form runs instead (same math; the tests compare the two). Sources live in
 ``tidal/ops/csrc``. Their OpenMP threads share torch's runtime, whose waits tidal makes passive
 (``tidal/__init__.py``): on a shared CPU a spinning barrier multiplies the step time.
+
+On CPUs with AMX-BF16 the bfloat16 rows' products take the tile path (``csrc/amx_tiles.h``) from
+:data:`AMX_MIN_ROWS` rows, switched for every library at once through ``csrc/amx_state.c``:
+``TIDAL_CPU_AMX=0`` turns it off, ``TIDAL_CPU_AMX=<n>`` (n > 1) sets the threshold, and
+deterministic inference turns it off on its thread (:func:`amx_thread_off`).
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -42,6 +48,16 @@ LIBRARY_SOURCES: dict[str, tuple[str, ...]] = {
     "mla_layer_decode": ("mla_decode", "rms_norm"),
     "attn_res": ("rms_norm",),
 }
+
+
+# Rows from which a bfloat16 product takes the AMX tiles (benchmarks/bench_amx_tiles.py).
+AMX_MIN_ROWS = 4
+
+
+def amx_rows_setting() -> int:
+    """``TIDAL_CPU_AMX``: 0 off, 1 (the default) :data:`AMX_MIN_ROWS`, n > 1 from n rows."""
+    rows = int(os.environ.get("TIDAL_CPU_AMX", "1"))
+    return AMX_MIN_ROWS if rows == 1 else max(rows, 0)
 
 
 def cache_dir() -> Path:
@@ -66,8 +82,57 @@ def _library(name: str) -> ctypes.CDLL | None:
     for flags in ([PORTABLE_FLAGS] if portable_only() else [FLAGS, PORTABLE_FLAGS]):
         lib = _build(compiler, name, flags)
         if lib is not None:
+            _bind_amx(lib)
             return lib
     return None
+
+
+@cache
+def _amx_state() -> ctypes.CDLL | None:
+    """csrc/amx_state.c (the tile path's switch), set from ``TIDAL_CPU_AMX``; None without kernels."""
+    lib = _library("amx_state")
+    if lib is not None:
+        lib.tidal_amx_set_rows.argtypes, lib.tidal_amx_set_rows.restype = [ctypes.c_int], ctypes.c_int
+        lib.tidal_amx_thread_off.argtypes, lib.tidal_amx_thread_off.restype = [ctypes.c_int], None
+        lib.tidal_amx_least_rows.argtypes, lib.tidal_amx_least_rows.restype = [], ctypes.c_int
+        lib.tidal_amx_set_rows(amx_rows_setting())
+    return lib
+
+
+def _bind_amx(lib: ctypes.CDLL) -> None:
+    """A library built with the tile path (it exports ``tidal_amx_bind``) reads the one switch."""
+    bind = getattr(lib, "tidal_amx_bind", None)
+    state = _amx_state() if bind is not None else None
+    if state is not None:
+        bind.argtypes, bind.restype = [ctypes.c_void_p], None
+        bind(ctypes.cast(state.tidal_amx_rows, ctypes.c_void_p))
+
+
+def set_amx_rows(rows: int) -> int:
+    """Set the tile path's threshold for the process (0: off); returns the one in force (0 where
+    the kernels are off or Linux refuses the tiles). Benchmarks and tests flip it between calls."""
+    state = _amx_state()
+    return 0 if state is None else state.tidal_amx_set_rows(rows)
+
+
+@contextmanager
+def amx_rows(rows: int) -> Iterator[int]:
+    """The block with the tile path's threshold at ``rows`` (0: off; 1: every row count, whose bits
+    are then row-invariant as the FMA tiles' are), yielding the one in force; the one before after."""
+    state = _amx_state()
+    before = 0 if state is None else state.tidal_amx_least_rows()
+    try:
+        yield set_amx_rows(rows)
+    finally:
+        set_amx_rows(before)
+
+
+def amx_thread_off(off: bool) -> None:
+    """Keep the calling thread's products off the tile path (``off``) or let them take it:
+    deterministic inference holds every product to the FMA tiles' row-invariant order."""
+    state = _amx_state()
+    if state is not None:
+        state.tidal_amx_thread_off(int(off))
 
 
 def _build(compiler: str, name: str, flags: list[str]) -> ctypes.CDLL | None:
@@ -334,6 +399,28 @@ class WeightParts:
         self.strides = (ctypes.c_int64 * n)(*(w.stride(0) for w in weights))
         self.rows = (ctypes.c_int64 * n)(*(w.shape[0] for w in weights))
         self.total = sum(w.shape[0] for w in weights)
+
+
+@cache
+def bf16_values_kernel() -> Callable[..., torch.Tensor] | None:
+    """csrc/bf16_gemm.c's ``bf16_gemm_values_parts``: float32 rows whose values are bfloat16 ones
+    times bfloat16 weights side by side, float32 out, the products the fused layer steps make (the
+    AMX tiles from their threshold, like :func:`bf16_rows_kernel`'s sums); or None."""
+    fn = _function("bf16_gemm", "bf16_gemm_values_parts", [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_int])
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int
+
+    def gemm(x: torch.Tensor, ws: "list[torch.Tensor] | WeightParts") -> torch.Tensor:
+        arrays = ws if isinstance(ws, WeightParts) else WeightParts(tuple(ws))
+        x = x.to(torch.float32).contiguous()
+        out = torch.empty(x.shape[0], arrays.total, dtype=torch.float32)
+        if fn(_ptr(x), x.shape[0], x.shape[1], len(arrays.weights), arrays.ptrs, arrays.strides, arrays.rows, _ptr(out),
+              torch.get_num_threads()) != 0:
+            raise ValueError(f"bf16_gemm_values_parts: {len(arrays.weights)} parts (at most 8)")
+        return out
+
+    return gemm
 
 
 @cache

@@ -4,7 +4,9 @@ register tiles; torch's bf16 matmul on CPUs without bf16 dot products runs at a 
 float32 speed, at one row and at many), and so do float32 rows times a bfloat16 weight (a float32
 result: a small model kept in bf16, like the DSPARK drafter, read at half the bytes). Every row's result there is bitwise independent of the
 other rows (one summation order at every row count), so the bf16 trunk is batch-invariant on the
-CPU. A few float32 rows times a large input-major float32 weight (the LM head of a verified chain
+CPU; on CPUs with AMX, bfloat16 rows from ``cpu_kernels.AMX_MIN_ROWS`` rows up take the tiles'
+order instead (a row's bits then differ below and above that count), except under deterministic
+inference. A few float32 rows times a large input-major float32 weight (the LM head of a verified chain
 or a small decode batch, one row included) are read through a bfloat16 copy of the weight
 where its values are all bfloat16 ones (a bf16 checkpoint loaded in float32: the copy is exact and
 half the bytes; :func:`bf16_twin`), by the C kernel: the weight is read once for all the rows, and

@@ -16,6 +16,13 @@ int bf16_gemm_parts(const float *x, int64_t M, int64_t K, int64_t parts, const u
     return bf16_parts_product(x, M, K, parts, ws, w_strides, ns, out, num_threads);
 }
 
+/* float32 rows x whose values are all bfloat16 ones times P weights, float32 out: the layer steps'
+ * products (bf16_values_product: the AMX tiles where they apply), for tests and benchmarks. */
+int bf16_gemm_values_parts(const float *x, int64_t M, int64_t K, int64_t parts, const uint16_t *const *ws,
+                           const int64_t *w_strides, const int64_t *ns, float *out, int num_threads) {
+    return bf16_values_product(x, M, K, parts, ws, w_strides, ns, out, num_threads);
+}
+
 void bf16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int64_t w_stride, int64_t N, float *out,
                int num_threads) {
     bf16_gemm_parts(x, M, K, 1, &w, &w_stride, &N, out, num_threads);

@@ -5,6 +5,11 @@
  * independent of the other rows, M and the thread count. bf16 -> float32 is a 16-bit shift, done in
  * registers; a tile's weight rows stay in L1 while a block of rows (in L2) passes under them. Work
  * items are (row block, weight-row chunk) pairs split over threads.
+ *
+ * Rows of bfloat16 values (bf16_rows_linear, bf16_values_product) take the AMX-BF16 tiles instead
+ * from a threshold number of rows (amx_tiles.h): row-invariant too, in their own order, so a row's
+ * bits differ on either side of the threshold (never under deterministic inference, which turns
+ * the tiles off). Float32 rows (bf16_parts_product) always run the register tiles.
  */
 #include <stdint.h>
 #include <string.h>
@@ -44,6 +49,8 @@ static inline __m512 load8_pair(const uint16_t *p0, const uint16_t *p1) {
 #define PARALLEL_MIN_MACS (1 << 20)
 #define MAX_PARTS 8
 
+#include "amx_tiles.h"
+
 /* x [M, K] (contiguous rows) times P weights side by side, as if their rows were one weight: out
  * [M, N_0 + ... + N_{P-1}], part p's columns after those of the parts before it; part p is ws[p]
  * [N_p, K] at row stride w_strides[p]. Each output is the sum on the concatenated weight, bit for
@@ -74,17 +81,33 @@ static int bf16_parts_product(const float *x, int64_t M, int64_t K, int64_t part
     return 0;
 }
 
+/* bf16_parts_product for float32 rows x whose values are all bfloat16 ones (widened or rounded
+ * bfloat16 intermediates of the layer steps): on the AMX tiles where amx_tiles.h takes M rows (their
+ * order, not row_tiles.h's), else bf16_parts_product. The same bits as bf16_rows_linear's float32
+ * sums on those rows. */
+static inline int bf16_values_product(const float *x, int64_t M, int64_t K, int64_t parts, const uint16_t *const *ws,
+                                      const int64_t *w_strides, const int64_t *ns, float *out, int num_threads) {
+    if (amx_takes(M, K) && amx_parts_product(NULL, 0, x, M, K, parts, ws, w_strides, ns, out, num_threads) == 0)
+        return 0;
+    return bf16_parts_product(x, M, K, parts, ws, w_strides, ns, out, num_threads);
+}
+
 /* bfloat16 rows x [M, K] (row stride x_stride) times P bfloat16 weights side by side (as
  * bf16_parts_product) -> bfloat16 out [M, N_0 + ...], contiguous: the torch form's bf16 linear
- * (float32 sums, one rounding at the end). xf [M, K] and of [M, N] are float32 scratch; out may be
- * x's memory (x is widened into xf before out is written). Returns bf16_parts_product's status. */
+ * (float32 sums, one rounding at the end), through bf16_values_product's choice of tiles. xf
+ * [M, K] and of [M, N] are float32 scratch; out may be x's memory (x is read before out is
+ * written). Returns bf16_parts_product's status. */
 static inline int bf16_rows_linear(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, int64_t parts,
                                    const uint16_t *const *ws, const int64_t *w_strides, const int64_t *ns, float *xf,
                                    float *of, uint16_t *out, int num_threads) {
     int64_t N = 0;
     for (int64_t p = 0; p < parts && p < MAX_PARTS; p++) N += ns[p];
-    widen_bf16(x, x_stride, M, K, xf);
-    const int status = bf16_parts_product(xf, M, K, parts, ws, w_strides, ns, of, num_threads);
+    int status = -1;
+    if (amx_takes(M, K)) status = amx_parts_product(x, x_stride, NULL, M, K, parts, ws, w_strides, ns, of, num_threads);
+    if (status != 0) {
+        widen_bf16(x, x_stride, M, K, xf);
+        status = bf16_parts_product(xf, M, K, parts, ws, w_strides, ns, of, num_threads);
+    }
     if (status == 0) round_to_bf16(of, M * N, out);
     return status;
 }

@@ -228,16 +228,16 @@ int kda_layer_step(const struct kda_layer_weights *w, const uint16_t *x, int64_t
     float *xf = scratch, *proj = xf + T * d, *fa = proj + T * n_in, *ga = fa + T * K, *z = ga + T * R;
     float *gate = z + T * P, *o = gate + T * P, *of = o + T * P;
     widen_bf16(x, x_stride, T, d, xf);
-    bf16_parts_product(xf, T, d, KDA_IN_PARTS, w->in_w, w->in_stride, w->in_rows, proj, num_threads);
+    bf16_values_product(xf, T, d, KDA_IN_PARTS, w->in_w, w->in_stride, w->in_rows, proj, num_threads);
     round_all(proj, T * n_in);
     take_columns(proj, n_in, 3 * P, T, K, fa);
-    bf16_parts_product(fa, T, K, 1, &w->f_b_w, &w->f_b_stride, &P, z, num_threads);
+    bf16_values_product(fa, T, K, 1, &w->f_b_w, &w->f_b_stride, &P, z, num_threads);
     round_all(z, T * P);
     const float *gate_rows = proj + 3 * P + K;
     int64_t gate_ld = n_in;
     if (R) {  /* a low-rank output gate: g_b(g_a(x)) */
         take_columns(proj, n_in, 3 * P + K, T, R, ga);
-        bf16_parts_product(ga, T, R, 1, &w->g_b_w, &w->g_b_stride, &P, gate, num_threads);
+        bf16_values_product(ga, T, R, 1, &w->g_b_w, &w->g_b_stride, &P, gate, num_threads);
         round_all(gate, T * P);
         gate_rows = gate;
         gate_ld = P;
@@ -255,7 +255,7 @@ int kda_layer_step(const struct kda_layer_weights *w, const uint16_t *x, int64_t
         }
     }
     round_all(o, T * P);
-    bf16_parts_product(o, T, P, 1, &w->o_w, &w->o_stride, &d, of, num_threads);
+    bf16_values_product(o, T, P, 1, &w->o_w, &w->o_stride, &d, of, num_threads);
     round_to_bf16(of, T * d, out);
     return 0;
 }

@@ -22,14 +22,14 @@ int mlp_step(const struct mlp_weights *w, const uint16_t *x, int64_t x_stride, i
     if (w->gate_up_rows[0] != I || w->gate_up_rows[1] != I) return -1;
     float *xf = scratch, *gu = xf + T * d, *act = gu + 2 * T * I, *of = act + T * I;
     widen_bf16(x, x_stride, T, d, xf);
-    bf16_parts_product(xf, T, d, 2, w->gate_up, w->gate_up_stride, w->gate_up_rows, gu, num_threads);
+    bf16_values_product(xf, T, d, 2, w->gate_up, w->gate_up_stride, w->gate_up_rows, gu, num_threads);
     for (int64_t i = 0; i < 2 * T * I; i++) gu[i] = bf16_round(gu[i]);
     for (int64_t t = 0; t < T; t++) {
         float *a = act + t * I;
         gated_act_row(gu + t * 2 * I, gu + t * 2 * I + I, a, I, (int)w->kind, w->beta, w->linear_beta);
         for (int64_t i = 0; i < I; i++) a[i] = bf16_round(a[i]);
     }
-    bf16_parts_product(act, T, I, 1, &w->down, &w->down_stride, &d, of, num_threads);
+    bf16_values_product(act, T, I, 1, &w->down, &w->down_stride, &d, of, num_threads);
     round_to_bf16(of, T * d, out);
     return 0;
 }

@@ -1,0 +1,75 @@
+"""The bf16 trunk's products on the AMX-BF16 tiles (csrc/amx_tiles.h) against the FMA register tiles
+(csrc/row_tiles.h), on the benchmark model's shapes, in one run.
+
+    python benchmarks/bench_amx_tiles.py [--rows 1 8 16 32 64] [--threads 2] [--repeats 5]
+
+Each product is bfloat16 rows times bfloat16 weights side by side (``bf16_rows_kernel`` / the parts
+kernel, as the fused layer steps call them), timed with the tile path off and on (the switch flipped
+between calls, the two interleaved, best of --repeats rounds of calls totalling ~20 ms). Printed per
+shape and row count: GFLOP/s of each and the ratio AMX / FMA (above 1: the tiles are faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tidal.ops import cpu_kernels
+
+# (name, input width, output widths of the parts): benchmarks/configs/k3-223m.json's trunk products
+SHAPES = [
+    ("kda in (q|k|v|f_a|gate|b)", 768, (768, 768, 768, 128, 768, 6)),
+    ("kda f_b", 128, (768,)),
+    ("kda/mla o_proj", 768, (768,)),
+    ("mla in (q_a|kv_a|gate)", 768, (384, 320, 768)),
+    ("mla q_b", 384, (1152,)),
+    ("moe latent down", 768, (384,)),
+    ("moe latent up", 384, (768,)),
+    ("shared gate|up", 768, (512, 512)),
+    ("shared down", 512, (768,)),
+]
+
+
+def seconds_per_call(fn, x: torch.Tensor, ws: cpu_kernels.WeightParts, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(x, ws)
+    return (time.perf_counter() - start) / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    gemm = cpu_kernels.bf16_parts_kernel()
+    if gemm is None or cpu_kernels.set_amx_rows(1) == 0:
+        raise SystemExit("needs the C kernels and AMX tiles (TIDAL_CPU_KERNELS, TIDAL_CPU_PORTABLE, the CPU)")
+    torch.manual_seed(0)
+    print(f"{'product':28s} {'rows':>4s} {'FMA GF/s':>9s} {'AMX GF/s':>9s} {'AMX/FMA':>8s}")
+    totals = {0: 0.0, 1: 0.0}
+    for name, K, ns in SHAPES:
+        ws = cpu_kernels.WeightParts(tuple(torch.randn(n, K).bfloat16() for n in ns))
+        for M in args.rows:
+            x = torch.randn(M, K).bfloat16()
+            flops = 2 * M * K * ws.total
+            calls = max(3, int(2e-2 / max(flops / 100e9, 1e-6)))
+            best = {0: float("inf"), 1: float("inf")}
+            for _ in range(args.repeats):
+                for amx in (0, 1):
+                    cpu_kernels.set_amx_rows(amx)
+                    best[amx] = min(best[amx], seconds_per_call(gemm, x, ws, calls))
+            for amx in (0, 1):
+                totals[amx] += best[amx]
+            print(f"{name:28s} {M:4d} {flops / best[0] / 1e9:9.1f} {flops / best[1] / 1e9:9.1f} "
+                  f"{best[0] / best[1]:8.2f}")
+    print(f"all products, all row counts: AMX/FMA time ratio {totals[0] / totals[1]:.2f} (above 1: faster)")
+    cpu_kernels.set_amx_rows(cpu_kernels.amx_rows_setting())
+
+
+if __name__ == "__main__":
+    main()
