@@ -51,7 +51,7 @@ LIBRARY_SOURCES: dict[str, tuple[str, ...]] = {
 
 
 # Rows from which a bfloat16 product takes the AMX tiles (benchmarks/bench_amx_tiles.py).
-AMX_MIN_ROWS = 4
+AMX_MIN_ROWS = 8
 
 
 def amx_rows_setting() -> int:

@@ -132,11 +132,28 @@ static inline void amx_store(const float *c, int64_t wr, int64_t xr, float *out,
     for (int64_t m = 0; m < xr; m++) _mm512_mask_storeu_ps(out + m * N, cols, v[m]);
 }
 
+/* The next work item's weight rows, prefetched into L2 a few lines per k step while the current
+ * item's first pass streams its own (one chunk is too many concurrent row streams for the hardware
+ * prefetcher to keep ahead of the tiles); prefetches change no result. */
+struct amx_prefetch {
+    const char *row;
+    int64_t stride, row_bytes, col, left, per_step;
+};
+
+static inline void amx_prefetch_step(struct amx_prefetch *p) {
+    if (p == 0) return;
+    for (int64_t n = p->per_step; n > 0 && p->left > 0; n--, p->left--) {
+        _mm_prefetch(p->row + p->col, _MM_HINT_T1);
+        p->col += 64;
+        if (p->col >= p->row_bytes) p->col = 0, p->row += p->stride;
+    }
+}
+
 /* NA (1 or 2) weight tiles a[0..NA) x two row blocks b0, b1 over S k steps -> C tiles (a, b) in
  * c + (2a + b) * 256. as: the weight tiles' row strides in bytes. */
 static inline __attribute__((always_inline)) void amx_2x2(const int NA, const uint16_t *const *a, const int64_t *as,
                                                           const uint32_t *b0, const uint32_t *b1, int64_t S,
-                                                          float *c) {
+                                                          float *c, struct amx_prefetch *pf) {
     _tile_zero(0);
     _tile_zero(1);
     if (NA > 1) {
@@ -144,6 +161,7 @@ static inline __attribute__((always_inline)) void amx_2x2(const int NA, const ui
         _tile_zero(3);
     }
     for (int64_t s = 0; s < S; s++) {
+        amx_prefetch_step(pf);
         _tile_loadd(6, b0 + s * 256, 64);
         _tile_loadd(7, b1 + s * 256, 64);
         _tile_loadd(4, a[0] + s * 32, as[0]);
@@ -165,12 +183,14 @@ static inline __attribute__((always_inline)) void amx_2x2(const int NA, const ui
 
 /* NA (1..4) weight tiles x one row block b0 -> C tile a in c + a * 256 (A tiles alternate 4, 5) */
 static inline __attribute__((always_inline)) void amx_1x4(const int NA, const uint16_t *const *a, const int64_t *as,
-                                                          const uint32_t *b0, int64_t S, float *c) {
+                                                          const uint32_t *b0, int64_t S, float *c,
+                                                          struct amx_prefetch *pf) {
     _tile_zero(0);
     if (NA > 1) _tile_zero(1);
     if (NA > 2) _tile_zero(2);
     if (NA > 3) _tile_zero(3);
     for (int64_t s = 0; s < S; s++) {
+        amx_prefetch_step(pf);
         _tile_loadd(6, b0 + s * 256, 64);
         _tile_loadd(4, a[0] + s * 32, as[0]);
         _tile_dpbf16ps(0, 4, 6);
@@ -195,11 +215,16 @@ static inline __attribute__((always_inline)) void amx_1x4(const int NA, const ui
 
 /* weight rows [j0, j1) of w (row stride ws, j1 - j0 <= AMX_CHUNK) times all packed row blocks ->
  * out at column col (row stride N). A last block of fewer than 16 weight rows is read from pad
- * (16 x K, its other rows zero), never past the weight. */
+ * (16 x K, its other rows zero), never past the weight. next (NULL: none): the next item's rows,
+ * next_rows of them at row stride next_ws, prefetched during the first pass. */
 static void amx_chunk(const uint16_t *w, int64_t ws, int64_t j0, int64_t j1, const uint32_t *xp, int64_t M,
-                      int64_t K, float *out, int64_t col, int64_t N, uint16_t *pad, float *c) {
+                      int64_t K, float *out, int64_t col, int64_t N, uint16_t *pad, float *c, const uint16_t *next,
+                      int64_t next_ws, int64_t next_rows) {
     const int64_t S = K / 32, blocks = (M + 15) / 16, rows = j1 - j0;
     const int NA = (int)((rows + 15) / 16);
+    const int64_t first_pass_steps = S * (blocks > 1 ? (NA + 1) / 2 : 1), lines = next_rows * (K * 2 / 64);
+    struct amx_prefetch prefetch = {(const char *)next, next_ws * 2, K * 2, 0, next ? lines : 0,
+                                    (lines + first_pass_steps - 1) / first_pass_steps};
     const uint16_t *a[4];
     int64_t as[4], wr[4];
     for (int i = 0; i < NA; i++) {
@@ -215,13 +240,14 @@ static void amx_chunk(const uint16_t *w, int64_t ws, int64_t j0, int64_t j1, con
         const uint32_t *b0 = xp + b * S * 256;
         const int64_t xr0 = M - 16 * b < 16 ? M - 16 * b : 16;
         float *o0 = out + 16 * b * N + col;
+        struct amx_prefetch *pf = b == 0 && next != 0 ? &prefetch : 0;
         if (b + 1 < blocks) {
             const int64_t xr1 = M - 16 * (b + 1) < 16 ? M - 16 * (b + 1) : 16;
             for (int i = 0; i < NA; i += 2) {
                 if (NA - i > 1)
-                    amx_2x2(2, a + i, as + i, b0, b0 + S * 256, S, c);
+                    amx_2x2(2, a + i, as + i, b0, b0 + S * 256, S, c, pf);
                 else
-                    amx_2x2(1, a + i, as + i, b0, b0 + S * 256, S, c);
+                    amx_2x2(1, a + i, as + i, b0, b0 + S * 256, S, c, pf);
                 for (int q = 0; q < 2 && i + q < NA; q++) {
                     amx_store(c + (2 * q) * 256, wr[i + q], xr0, o0 + 16 * (i + q), N);
                     amx_store(c + (2 * q + 1) * 256, wr[i + q], xr1, o0 + 16 * N + 16 * (i + q), N);
@@ -229,10 +255,10 @@ static void amx_chunk(const uint16_t *w, int64_t ws, int64_t j0, int64_t j1, con
             }
         } else {
             switch (NA) {
-                case 1: amx_1x4(1, a, as, b0, S, c); break;
-                case 2: amx_1x4(2, a, as, b0, S, c); break;
-                case 3: amx_1x4(3, a, as, b0, S, c); break;
-                default: amx_1x4(4, a, as, b0, S, c); break;
+                case 1: amx_1x4(1, a, as, b0, S, c, pf); break;
+                case 2: amx_1x4(2, a, as, b0, S, c, pf); break;
+                case 3: amx_1x4(3, a, as, b0, S, c, pf); break;
+                default: amx_1x4(4, a, as, b0, S, c, pf); break;
             }
             for (int i = 0; i < NA; i++) amx_store(c + i * 256, wr[i], xr0, o0 + 16 * i, N);
         }
@@ -273,7 +299,18 @@ static int amx_parts_product(const uint16_t *xb, int64_t xs, const float *xf, in
             while (chunk >= first_chunk[p + 1]) p++;
             const int64_t j0 = (chunk - first_chunk[p]) * AMX_CHUNK;
             const int64_t j1 = j0 + AMX_CHUNK < ns[p] ? j0 + AMX_CHUNK : ns[p];
-            amx_chunk(ws[p], w_strides[p], j0, j1, xp, M, K, out, first_col[p] + j0, N, pad, c);
+            /* the next item's rows: this part's next chunk, or the next part's first */
+            const uint16_t *next = 0;
+            int64_t next_ws = 0, next_rows = 0;
+            if (j1 < ns[p]) {
+                next = ws[p] + j1 * w_strides[p], next_ws = w_strides[p];
+                next_rows = j1 + AMX_CHUNK < ns[p] ? AMX_CHUNK : ns[p] - j1;
+            } else if (p + 1 < parts) {
+                next = ws[p + 1], next_ws = w_strides[p + 1];
+                next_rows = AMX_CHUNK < ns[p + 1] ? AMX_CHUNK : ns[p + 1];
+            }
+            amx_chunk(ws[p], w_strides[p], j0, j1, xp, M, K, out, first_col[p] + j0, N, pad, c, next, next_ws,
+                      next_rows);
         }
         _tile_release();
     }
