@@ -1,12 +1,14 @@
 """The bf16 trunk's products on the AMX-BF16 tiles (csrc/amx_tiles.h) against the FMA register tiles
 (csrc/row_tiles.h), on the benchmark model's shapes, in one run.
 
-    python benchmarks/bench_amx_tiles.py [--rows 1 8 16 32 64] [--threads 2] [--repeats 5]
+    python benchmarks/bench_amx_tiles.py [--rows 1 8 16 32 64] [--threads 2] [--repeats 5] [--streamed]
 
 Each product is bfloat16 rows times bfloat16 weights side by side (``bf16_rows_kernel`` / the parts
 kernel, as the fused layer steps call them), timed with the tile path off and on (the switch flipped
 between calls, the two interleaved, best of --repeats rounds of calls totalling ~20 ms). Printed per
-shape and row count: GFLOP/s of each and the ratio AMX / FMA (above 1: the tiles are faster).
+shape and row count: GFLOP/s of each and the ratio FMA time / AMX time (above 1: the tiles are
+faster). The weights stay in cache from call to call; ``--streamed`` cycles each call through
+copies of them spread over 512 MiB, as a decode step reads its weights from memory.
 """
 
 from __future__ import annotations
@@ -32,11 +34,26 @@ SHAPES = [
 ]
 
 
-def seconds_per_call(fn, x: torch.Tensor, ws: cpu_kernels.WeightParts, calls: int) -> float:
+def seconds_per_call(fn, x: torch.Tensor, copies: list[cpu_kernels.WeightParts], calls: int) -> float:
     start = time.perf_counter()
-    for _ in range(calls):
-        fn(x, ws)
+    for i in range(calls):
+        fn(x, copies[i % len(copies)])
     return (time.perf_counter() - start) / calls
+
+
+def weight_copies(K: int, ns: tuple[int, ...], pool: torch.Tensor | None) -> list[cpu_kernels.WeightParts]:
+    """One set of parts [n, K] of random bfloat16, or (pool) as many sets as fit in it, side by side."""
+    if pool is None:
+        return [cpu_kernels.WeightParts(tuple(torch.randn(n, K).bfloat16() for n in ns))]
+    size = sum(ns) * K
+    copies = []
+    for start in range(0, pool.numel() - size + 1, size):
+        views, at = [], start
+        for n in ns:
+            views.append(pool[at : at + n * K].view(n, K))
+            at += n * K
+        copies.append(cpu_kernels.WeightParts(tuple(views)))
+    return copies
 
 
 def main() -> None:
@@ -44,25 +61,28 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--streamed", action="store_true", help="weights read from memory, not cache")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     gemm = cpu_kernels.bf16_parts_kernel()
     if gemm is None or cpu_kernels.set_amx_rows(1) == 0:
         raise SystemExit("needs the C kernels and AMX tiles (TIDAL_CPU_KERNELS, TIDAL_CPU_PORTABLE, the CPU)")
     torch.manual_seed(0)
+    pool = torch.empty(256 << 20, dtype=torch.bfloat16).normal_() if args.streamed else None
     print(f"{'product':28s} {'rows':>4s} {'FMA GF/s':>9s} {'AMX GF/s':>9s} {'AMX/FMA':>8s}")
     totals = {0: 0.0, 1: 0.0}
     for name, K, ns in SHAPES:
-        ws = cpu_kernels.WeightParts(tuple(torch.randn(n, K).bfloat16() for n in ns))
+        copies = weight_copies(K, ns, pool)
         for M in args.rows:
             x = torch.randn(M, K).bfloat16()
-            flops = 2 * M * K * ws.total
+            flops = 2 * M * K * copies[0].total
             calls = max(3, int(2e-2 / max(flops / 100e9, 1e-6)))
+            calls = max(calls, len(copies)) if pool is not None else calls
             best = {0: float("inf"), 1: float("inf")}
             for _ in range(args.repeats):
                 for amx in (0, 1):
                     cpu_kernels.set_amx_rows(amx)
-                    best[amx] = min(best[amx], seconds_per_call(gemm, x, ws, calls))
+                    best[amx] = min(best[amx], seconds_per_call(gemm, x, copies, calls))
             for amx in (0, 1):
                 totals[amx] += best[amx]
             print(f"{name:28s} {M:4d} {flops / best[0] / 1e9:9.1f} {flops / best[1] / 1e9:9.1f} "

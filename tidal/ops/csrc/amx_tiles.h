@@ -37,8 +37,10 @@ __attribute__((weak, visibility("hidden"))) int (*tidal_amx_rows_fn)(void) = 0;
 
 __attribute__((weak)) void tidal_amx_bind(int (*rows)(void)) { tidal_amx_rows_fn = rows; }
 
-/* Weight rows per work item: four A tiles (a 1 x 4 pass shares one B tile among them). */
-#define AMX_CHUNK 64
+/* Weight rows per work item, a multiple of 16 up to 64 (the passes take up to four A tiles): two
+ * tiles' rows are fewer streams at once from memory, which the hardware prefetcher keeps up with
+ * better than four's (benchmarks/bench_amx_tiles.py --streamed). */
+#define AMX_CHUNK 32
 #define AMX_PARALLEL_MIN_MACS (1 << 20)
 
 static inline int amx_takes(int64_t M, int64_t K) {
