@@ -1,7 +1,8 @@
-"""The AMX-BF16 tile path of the bf16 trunk's products (tidal/ops/csrc/amx_tiles.h) on fresh random
-inputs: float64 within float32 accumulation, row- and thread-invariant bitwise, off under
-deterministic inference (per thread) and with TIDAL_CPU_AMX=0, TIDAL_CPU_KERNELS=0 and
-TIDAL_CPU_PORTABLE=1. Skipped where the CPU (or Linux) gives no AMX tiles."""
+"""The AMX-BF16 tile path of the bf16 trunk's products (tidal/ops/csrc/amx_tiles.h) and of the packed
+MXFP4 experts' gate|up product (csrc/mxfp4_gemm.c) on fresh random inputs: float64 within float32
+accumulation, row- and thread-invariant bitwise, off under deterministic inference (per thread) and
+with TIDAL_CPU_AMX=0, TIDAL_CPU_KERNELS=0 and TIDAL_CPU_PORTABLE=1. Skipped where the CPU (or
+Linux) gives no AMX tiles."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import pytest
 import torch
 
 from tidal.ops import batch_invariant, cpu_kernels
+
+from test_mxfp4_moe import SCALE_CLASSES, check, groups, random_experts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,3 +170,65 @@ def test_widths_that_are_no_multiple_of_32_keep_the_fma_tiles(values, K):
         got = values(x, ws)
     with cpu_kernels.amx_rows(0):
         assert torch.equal(got, values(x, ws))
+
+
+@pytest.fixture()
+def experts_gemm(values):
+    """csrc/mxfp4_gemm.c's grouped product of packed MXFP4 experts (bfloat16 rows: groups of a few
+    rows on the tiles)."""
+    kernels = cpu_kernels.mxfp4_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler here")
+    return kernels[0]
+
+
+def test_expert_groups_on_the_tiles_match_float64_and_are_row_invariant(experts_gemm):
+    """Groups of 1 to 33 bfloat16 rows (odd N, K of several k steps): within float32 accumulation of
+    float64; groups of AMX_GROUP_MIN_ROWS (4) rows or more take the tiles (other bits than the FMA
+    tiles); a row's bits do not depend on the rows beside it once every group takes them (threshold
+    1), nor on the thread count; deterministic mode keeps the FMA tiles."""
+    gen = torch.Generator().manual_seed(17)
+    packed, scales = random_experts(gen, 6, 70, 256)
+    counts = [5, 1, 17, 4, 33]
+    experts, offsets, ids = groups(gen, 6, counts)
+    x = torch.randn(sum(counts), 256, generator=gen).bfloat16()
+    with cpu_kernels.amx_rows(8):
+        tiles = experts_gemm(x, offsets, ids, packed, scales)
+        with batch_invariant.deterministic_mode():
+            deterministic = experts_gemm(x, offsets, ids, packed, scales)
+    with cpu_kernels.amx_rows(0):
+        fma = experts_gemm(x, offsets, ids, packed, scales)
+    check(tiles, x.float(), counts, experts, packed, scales)
+    assert torch.equal(deterministic, fma)
+    one_row = slice(5, 6)  # the group of one row stays on the FMA tiles
+    assert torch.equal(tiles[one_row], fma[one_row]) and not torch.equal(tiles[6:23], fma[6:23])
+    threads = torch.get_num_threads()
+    try:
+        with cpu_kernels.amx_rows(1):
+            every = experts_gemm(x, offsets, ids, packed, scales)
+            torch.set_num_threads(1 if threads > 1 else 2)
+            assert torch.equal(experts_gemm(x, offsets, ids, packed, scales), every)
+            starts = offsets.tolist()
+            for g, e in enumerate(experts):  # each group's rows alone, two rows at a time
+                for t in range(starts[g], starts[g + 1], 2):
+                    m = min(2, starts[g + 1] - t)
+                    alone = experts_gemm(x[t : t + m], torch.tensor([0, m]), torch.tensor([e]), packed, scales)
+                    assert torch.equal(alone, every[t : t + m]), (g, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_expert_groups_on_the_tiles_take_every_scale_byte_class(experts_gemm):
+    """Subnormal, tiny, unit and huge scales (the bfloat16 decode's exponent shortcut and its float32
+    fallback): within float32 accumulation of float64 (bfloat16 subnormal weights, which the tiles
+    read as zero, only where a whole sum is that small)."""
+    gen = torch.Generator().manual_seed(19)
+    packed, scales = random_experts(gen, 3, 40, 256, SCALE_CLASSES)
+    counts = [6, 9, 16]
+    experts, offsets, ids = groups(gen, 3, counts)
+    x = (torch.randn(31, 256, generator=gen) * 2.0**-20).bfloat16()
+    with cpu_kernels.amx_rows(8):
+        tiles = experts_gemm(x, offsets, ids, packed, scales)
+    with cpu_kernels.amx_rows(0):
+        assert not torch.equal(tiles, experts_gemm(x, offsets, ids, packed, scales))
+    check(tiles, x.float(), counts, experts, packed, scales)

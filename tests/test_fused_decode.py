@@ -185,13 +185,22 @@ def test_router_weight_cast_follows_in_place_updates():
         assert torch.equal(second[0], fresh(x)[0]) and not torch.equal(first[0], second[0])
 
 
+@pytest.mark.parametrize("amx", [0, 1])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["situ", "swiglu"])
-def test_packed_experts_in_one_call_equal_the_grouped_path_bitwise(monkeypatch, dtype, act):
+def test_packed_experts_in_one_call_equal_the_grouped_path_bitwise(monkeypatch, dtype, act, amx):
     """PackedExperts.forward at 1, 3, 16 and the most tokens it takes (128): the one-call kernel == the
     grouped-GEMM path, bit for bit where that path's activation is the same C code (up to
     FUSED_MAX_ROWS slots; past it torch's, within rounding); both == the float64 experts within
-    rounding; a token's bits alone == in the batch."""
+    rounding; a token's bits alone == in the batch. bfloat16 rows' gate|up products on the FMA tiles
+    (amx 0) and on the AMX tiles at every group size (amx 1: at the default, groups of a few rows)."""
+    with cpu_kernels.amx_rows(amx) as in_force:
+        if in_force != amx:
+            pytest.skip("no AMX-BF16 tiles on this CPU")
+        packed_experts_against_grouped_path(monkeypatch, dtype, act)
+
+
+def packed_experts_against_grouped_path(monkeypatch, dtype, act) -> None:
     config = replace(tiny_k3(), hidden_act=act)
     dense_experts = Experts(config)
     torch.manual_seed(14)

@@ -331,7 +331,8 @@ def mxfp4_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Te
     None where they are unavailable. The matmul takes the experts as an
     :class:`~tidal.ops.mxfp4_table.ExpertTable`, or stacked as (packed, scales)."""
     gemm_fn = _function("mxfp4_gemm", "mxfp4_grouped_gemm",
-                        [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int])
+                        [_PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int,
+                         ctypes.c_int])
     deq_fn = _function("mxfp4_gemm", "mxfp4_dequantize", [_PTR, _I64, _PTR, _PTR, _I64, _I64, _PTR, ctypes.c_int])
     if gemm_fn is None or deq_fn is None:
         return None
@@ -340,11 +341,12 @@ def mxfp4_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Te
     def gemm(x: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor, packed: torch.Tensor | ExpertTable,
              scales: torch.Tensor | None = None) -> torch.Tensor:
         table = packed if isinstance(packed, ExpertTable) else ExpertTable.stacked(packed, scales)
+        bf16 = int(x.dtype == torch.bfloat16)  # bfloat16 values: groups of a few rows take the AMX tiles
         x = x.to(torch.float32).contiguous()
         N = table.rows
         out = torch.empty(x.shape[0], N, dtype=torch.float32)
         if gemm_fn(_ptr(x), x.shape[1], _ptr(offsets), _ptr(experts), experts.shape[0], _ptr(table.packed),
-                   _ptr(table.scales), table.parts, table.packed_stride, table.scale_stride, N, _ptr(out),
+                   _ptr(table.scales), table.parts, table.packed_stride, table.scale_stride, N, _ptr(out), bf16,
                    torch.get_num_threads()) != 0:
             raise MemoryError(f"mxfp4_grouped_gemm: no scratch memory for {x.shape[0]} x {x.shape[1]} rows")
         return out

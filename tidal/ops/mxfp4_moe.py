@@ -9,7 +9,8 @@ float32 [S, N]:
 
 - the C kernel (``csrc/mxfp4_gemm.c``) at every group size: decodes panels of weight rows to float32
   in L1 and runs the group's rows under them in register tiles; each row bitwise independent of the
-  other rows and of the group sizes;
+  other rows and of the group sizes (bfloat16 rows in groups of a few rows or more take the AMX
+  tiles where the CPU has them, outside deterministic inference: another order);
 - :func:`grouped_matmul_torch`: the torch form (no compiler, ``TIDAL_CPU_KERNELS=0``, other devices),
   which dequantises only the active experts.
 """

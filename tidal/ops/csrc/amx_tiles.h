@@ -27,10 +27,6 @@
 #include <omp.h>
 #define TIDAL_AMX 1
 
-#ifndef MAX_PARTS
-#error "amx_tiles.h: include it from bf16_parts.h (MAX_PARTS)"
-#endif
-
 /* amx_state.c's tidal_amx_rows, bound once per library; one copy per library (weak: every
  * translation unit that includes this header defines it, the linker keeps one) */
 __attribute__((weak, visibility("hidden"))) int (*tidal_amx_rows_fn)(void) = 0;
@@ -42,6 +38,9 @@ __attribute__((weak)) void tidal_amx_bind(int (*rows)(void)) { tidal_amx_rows_fn
  * better than four's (benchmarks/bench_amx_tiles.py --streamed). */
 #define AMX_CHUNK 32
 #define AMX_PARALLEL_MIN_MACS (1 << 20)
+
+/* the calling thread's threshold (0: the tiles are off) */
+static inline int amx_least_rows(void) { return tidal_amx_rows_fn != 0 ? tidal_amx_rows_fn() : 0; }
 
 static inline int amx_takes(int64_t M, int64_t K) {
     if (K % 32 != 0 || tidal_amx_rows_fn == 0) return 0;
@@ -96,15 +95,16 @@ static inline __attribute__((always_inline)) void amx_transpose16(__m512 v[16]) 
 /* x rows -> the B tiles (see the top): bfloat16 rows xb at row stride xs, or (xb NULL) float32 rows
  * xf [M, K] whose values are bfloat16 ones (their high halves, exact). Each tile is the 16 x 16
  * transpose of its rows' 32-bit pairs. */
+/* 32 float32 values that are bfloat16 ones -> the 32 bfloat16 (their high halves), in order */
+static inline __m512i amx_bf16_32(const float *x) {
+    /* word 2j of the result: the high half of float 2j of (lo, hi); word 2j + 1: of float 2j + 1 */
+    static const uint16_t highs[32] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31,
+                                       33, 35, 37, 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+    return _mm512_permutex2var_epi16(_mm512_loadu_si512(x), _mm512_loadu_si512(highs), _mm512_loadu_si512(x + 16));
+}
+
 static void amx_pack_rows(const uint16_t *xb, int64_t xs, const float *xf, int64_t M, int64_t K, uint32_t *xp) {
     const int64_t S = K / 32, blocks = (M + 15) / 16;
-    /* word 2j of the result: the high half of float 2j of (lo, hi); word 2j + 1: of float 2j + 1 */
-    __m512i highs;
-    {
-        uint16_t idx[32];
-        for (int j = 0; j < 16; j++) idx[2 * j] = (uint16_t)(4 * j + 1), idx[2 * j + 1] = (uint16_t)(4 * j + 3);
-        highs = _mm512_loadu_si512(idx);
-    }
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t s = 0; s < S; s++) {
             __m512 v[16];
@@ -115,9 +115,7 @@ static void amx_pack_rows(const uint16_t *xb, int64_t xs, const float *xf, int64
                 } else if (xb != 0) {
                     v[m] = _mm512_castsi512_ps(_mm512_loadu_si512(xb + t * xs + 32 * s));
                 } else {
-                    const __m512i lo = _mm512_loadu_si512(xf + t * K + 32 * s);
-                    const __m512i hi = _mm512_loadu_si512(xf + t * K + 32 * s + 16);
-                    v[m] = _mm512_castsi512_ps(_mm512_permutex2var_epi16(lo, highs, hi));
+                    v[m] = _mm512_castsi512_ps(amx_bf16_32(xf + t * K + 32 * s));
                 }
             }
             amx_transpose16(v);
@@ -215,6 +213,7 @@ static inline __attribute__((always_inline)) void amx_1x4(const int NA, const ui
     if (NA > 3) _tile_stored(3, c + 768, 64);
 }
 
+#ifdef MAX_PARTS /* bf16_parts.h's products (mxfp4_gemm.c takes the pieces above) */
 /* weight rows [j0, j1) of w (row stride ws, j1 - j0 <= AMX_CHUNK) times all packed row blocks ->
  * out at column col (row stride N). A last block of fewer than 16 weight rows is read from pad
  * (16 x K, its other rows zero), never past the weight. next (NULL: none): the next item's rows,
@@ -320,7 +319,9 @@ static int amx_parts_product(const uint16_t *xb, int64_t xs, const float *xf, in
     free(pads);
     return 0;
 }
+#endif
 #else
+static inline int amx_least_rows(void) { return 0; }
 static inline int amx_takes(int64_t M, int64_t K) { (void)M, (void)K; return 0; }
 static inline int amx_parts_product(const uint16_t *xb, int64_t xs, const float *xf, int64_t M, int64_t K,
                                     int64_t parts, const uint16_t *const *ws, const int64_t *w_strides,

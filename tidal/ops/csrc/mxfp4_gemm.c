@@ -25,6 +25,12 @@
  *
  * mxfp4_moe_tokens: a whole routed-expert sum (tidal.model.moe.PackedExperts.forward) in one call.
  *
+ * On CPUs with AMX-BF16 (amx_tiles.h's switch), groups of AMX_GROUP_MIN_ROWS or more rows of
+ * bfloat16 values (x_bf16: the gate|up product of a bfloat16 model; the down product's rows are
+ * float32 activations and never are) run on the tiles instead: a work item's weight rows decoded
+ * to bfloat16 (exact) as A tiles, the group's rows as B tiles. Their order is the tiles' (a row's
+ * bits then depend on its group's size crossing the threshold), never under deterministic inference.
+ *
  * Built with -march=native where AVX2+FMA exist; the portable build (TIDAL_CPU_PORTABLE=1, or the
  * fallback when the native build fails) uses plain C loops with the same summation order.
  * Threads wait passively (no spin barriers): see tidal.ops.cpu_kernels.
@@ -50,6 +56,7 @@ static inline __m512 load8_pair(const float *p0, const float *p1) {
 #define TILE_COLS_4 2 /* see row_tiles.h */
 #include "row_tiles.h"
 
+#include "amx_tiles.h"
 #include "bf16_scalar.h"
 #include "gated_act.h"
 
@@ -92,7 +99,9 @@ static const int PERM[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 /* ... one block as four vectors of 8 (columns 0..7, 8..15, 16..23, 24..31, each in PERM order), in
  * registers. Each E2M1 value is a bfloat16 (two significant bits), so a byte shuffle per half of
  * its bit pattern gives it exactly; times the scale (a power of two: exact). */
-static inline __attribute__((always_inline)) void decode_block8(const uint8_t *restrict p, uint8_t scale, __m256 v[4]) {
+/* ... the block's E2M1 values as bfloat16, unscaled: b0 columns 0..15 (lane 0 the even ones 0, 2,
+ * .., 14, lane 1 the odd ones), b1 columns 16..31 */
+static inline __attribute__((always_inline)) void block_codes_bf16(const uint8_t *restrict p, __m256i *b0, __m256i *b1) {
     const __m256i hi_t = _mm256_setr_epi8(0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
                                           0x00, (char)0xBF, (char)0xBF, (char)0xBF, (char)0xC0, (char)0xC0, (char)0xC0, (char)0xC0,
                                           0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
@@ -106,7 +115,12 @@ static inline __attribute__((always_inline)) void decode_block8(const uint8_t *r
     const __m256i codes = _mm256_and_si256(_mm256_srlv_epi64(bytes, _mm256_setr_epi64x(0, 0, 4, 4)),
                                            _mm256_set1_epi8(0x0F));
     const __m256i h = _mm256_shuffle_epi8(hi_t, codes), l = _mm256_shuffle_epi8(lo_t, codes);
-    const __m256i b0 = _mm256_unpacklo_epi8(l, h), b1 = _mm256_unpackhi_epi8(l, h);  /* bf16: columns 0..15, 16..31 */
+    *b0 = _mm256_unpacklo_epi8(l, h), *b1 = _mm256_unpackhi_epi8(l, h);
+}
+
+static inline __attribute__((always_inline)) void decode_block8(const uint8_t *restrict p, uint8_t scale, __m256 v[4]) {
+    __m256i b0, b1;  /* bf16: columns 0..15, 16..31 */
+    block_codes_bf16(p, &b0, &b1);
     const __m256i z = _mm256_setzero_si256();
     const __m256 s = _mm256_set1_ps(e8m0(scale));
     v[0] = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, b0)), s);
@@ -291,8 +305,79 @@ static void decode_rows(const uint8_t *we, int64_t ws, const uint8_t *se, int64_
  * top-k at one token). The bits do not depend on the thread count either way. */
 #define PARALLEL_MIN_WORK (1 << 17)
 
+#ifdef TIDAL_AMX
+/* Rows per expert group from which the group runs on the AMX tiles (x of bfloat16 values only; a
+ * lower trunk threshold, 1 in tests, lowers it too). */
+#define AMX_GROUP_MIN_ROWS 4
+_Static_assert(ROW_CHUNK % 16 == 0 && ROW_CHUNK <= 48, "amx_group_chunk holds a work item in three A tiles");
+
+/* One block's 32 values as bfloat16 in decode_block8's column order (PERM within each 8), exactly:
+ * decode_block8's bfloat16 codes, the scale 2^(s-127) added to their exponent fields (nonzero values
+ * only). Exact for 2 <= s <= 252 (every nonzero E2M1 value times the scale is then a normal bfloat16);
+ * other scales go through the float32 decode, whose values are bfloat16 ones too. */
+static inline void decode_block_bf16_perm(const uint8_t *restrict p, uint8_t scale, uint16_t *restrict v) {
+    if (scale < 2 || scale > 252) {
+        float f[32];
+        decode_block(p, scale, f);
+        _mm512_storeu_si512(v, amx_bf16_32(f));
+        return;
+    }
+    __m256i codes0, codes1;
+    block_codes_bf16(p, &codes0, &codes1);
+    /* 64-bit quarters 0, 2, 1, 3 of each put its columns in PERM order (0, 2, 4, 6, 1, 3, 5, 7, ...) */
+    const __m256i b0 = _mm256_permute4x64_epi64(codes0, 0xD8), b1 = _mm256_permute4x64_epi64(codes1, 0xD8);
+    const __m256i add = _mm256_set1_epi16((int16_t)(((int)scale - 127) * 128));
+    _mm256_storeu_si256((__m256i *)v, _mm256_mask_add_epi16(b0, _mm256_test_epi16_mask(b0, b0), b0, add));
+    _mm256_storeu_si256((__m256i *)(v + 16), _mm256_mask_add_epi16(b1, _mm256_test_epi16_mask(b1, b1), b1, add));
+}
+
+/* weight rows [j0, j1) (at most 48: three A tiles) of one expert's part times the group's packed
+ * rows xp (R rows) -> out (row stride N, at the group's first row and column j0): the rows decoded
+ * as bfloat16 (exact: an E2M1 value times a power of two; the GEMM's column order, x's too) into a
+ * (16-row tiles, past j1 zero), then three C tiles at a time (independent sums keep the tile unit
+ * busy). Each sum is one C tile's over the ascending k steps from zero, as amx_tiles.h's: bitwise
+ * independent of the other rows and groups. */
+static void amx_group_chunk(const uint8_t *we, int64_t ws, const uint8_t *se, int64_t ss, int64_t K, int64_t j0,
+                            int64_t j1, uint16_t *a, const uint32_t *xp, int64_t R, float *out, int64_t N, float *c) {
+    const int64_t S = K / 32, rows = j1 - j0;
+    const int NA = (int)((rows + 15) / 16);
+    for (int64_t r = 0; r < 16 * NA; r++)
+        for (int64_t s = 0; s < S; s++) {
+            if (r < rows)
+                decode_block_bf16_perm(we + (j0 + r) * ws + s * 16, se[(j0 + r) * ss + s], a + r * K + 32 * s);
+            else
+                _mm512_storeu_si512(a + r * K + 32 * s, _mm512_setzero_si512());
+        }
+    const uint16_t *a1 = a + 16 * K, *a2 = a + 32 * K;
+    for (int64_t b = 0; 16 * b < R; b++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        for (int64_t s = 0; s < S; s++) {
+            _tile_loadd(6, xp + (b * S + s) * 256, 64);
+            _tile_loadd(4, a + 32 * s, K * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            if (NA > 1) {
+                _tile_loadd(5, a1 + 32 * s, K * 2);
+                _tile_dpbf16ps(1, 5, 6);
+            }
+            if (NA > 2) {
+                _tile_loadd(7, a2 + 32 * s, K * 2);
+                _tile_dpbf16ps(2, 7, 6);
+            }
+        }
+        const int64_t xr = R - 16 * b < 16 ? R - 16 * b : 16;
+        _tile_stored(0, c, 64);
+        _tile_stored(1, c + 256, 64);
+        _tile_stored(2, c + 512, 64);
+        for (int i = 0; i < NA; i++)
+            amx_store(c + 256 * i, rows - 16 * i < 16 ? rows - 16 * i : 16, xr, out + 16 * b * N + j0 + 16 * i, N);
+    }
+}
+#endif
+
 static int grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, const int64_t *experts, int64_t G,
-                        const expert_rows *wt, int64_t N, float *out, int num_threads) {
+                        const expert_rows *wt, int64_t N, float *out, int x_bf16, int num_threads) {
     const int64_t P = wt->parts, part_rows = N / P;
     const int64_t chunks = (part_rows + ROW_CHUNK - 1) / ROW_CHUNK;
     const int64_t ws = wt->packed_stride, ss = wt->scale_stride;
@@ -306,9 +391,32 @@ static int grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, co
 #endif
     int status = 0;
     const int64_t work = offsets[G] * N * (K / 32);
+#ifdef TIDAL_AMX
+    /* groups of AMX_GROUP_MIN_ROWS rows or more of bfloat16 values, packed as amx_tiles.h's B tiles
+     * (group g's at xp + packed_at[g]); without memory for them every group runs the FMA tiles */
+    const int least = amx_least_rows(), group_min = least < AMX_GROUP_MIN_ROWS ? least : AMX_GROUP_MIN_ROWS;
+    int amx = x_bf16 && least > 0 && K % 32 == 0;
+    int64_t *packed_at = amx ? malloc(sizeof(int64_t) * (size_t)(G + 1)) : NULL;
+    for (int64_t g = 0, at = 0; g <= G && packed_at != NULL; g++) {
+        packed_at[g] = at;
+        if (g < G && offsets[g + 1] - offsets[g] >= group_min) at += (offsets[g + 1] - offsets[g] + 15) / 16 * K * 8;
+    }
+    uint32_t *xp = packed_at != NULL ? aligned_alloc(64, sizeof(uint32_t) * (size_t)(packed_at[G] + 16)) : NULL;
+    amx = xp != NULL;
+    for (int64_t g = 0; g < G && amx; g++)
+        if (packed_at[g + 1] > packed_at[g])
+            amx_pack_rows(NULL, 0, x + offsets[g] * K, offsets[g + 1] - offsets[g], K, xp + packed_at[g]);
+#else
+    (void)x_bf16;
+#endif
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && work >= PARALLEL_MIN_WORK)
     {
         float *panel = malloc(sizeof(float) * MAX_C * K);
+#ifdef TIDAL_AMX
+        uint16_t *a_tile = amx ? aligned_alloc(64, sizeof(uint16_t) * ROW_CHUNK * (size_t)K) : NULL;
+        float c_tile[3 * 256] __attribute__((aligned(64)));
+        if (amx) amx_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < G * P * chunks; item++) {
             const int64_t g = item / (P * chunks), p = item / chunks % P, c = item % chunks;
@@ -323,6 +431,18 @@ static int grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, co
             float *part_out = out + p * part_rows;  /* the part's first output column */
             const int64_t rows = t1 - t0;
             const int64_t j1 = (c + 1) * ROW_CHUNK < part_rows ? (c + 1) * ROW_CHUNK : part_rows;
+#ifdef TIDAL_AMX
+            if (amx && packed_at[g + 1] > packed_at[g]) {
+                if (a_tile == NULL) {
+#pragma omp atomic write
+                    status = -1;
+                    continue;
+                }
+                amx_group_chunk(we, ws, se, ss, K, c * ROW_CHUNK, j1, a_tile, xp + packed_at[g], rows, part_out + t0 * N, N,
+                                c_tile);
+                continue;
+            }
+#endif
 #ifdef PAIRED_ROWS
             if (rows <= PAIRED_MAX_R) {  /* a few rows: blocks decoded in registers, no panel */
                 const int pc = PAIRED_COLS[rows];
@@ -346,7 +466,15 @@ static int grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, co
             }
         }
         free(panel);
+#ifdef TIDAL_AMX
+        if (amx) _tile_release();
+        free(a_tile);
+#endif
     }
+#ifdef TIDAL_AMX
+    free(packed_at);
+    free(xp);
+#endif
 #ifdef PERMUTED_COLUMNS
     free(x_perm);
 #endif
@@ -357,10 +485,10 @@ static int grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, co
  * 0, -1 when scratch memory cannot be allocated, -2 when N is not a multiple of parts. */
 int mxfp4_grouped_gemm(const float *x, int64_t K, const int64_t *offsets, const int64_t *experts, int64_t G,
                        const int64_t *packed, const int64_t *scales, int64_t parts, int64_t packed_stride,
-                       int64_t scale_stride, int64_t N, float *out, int num_threads) {
+                       int64_t scale_stride, int64_t N, float *out, int x_bf16, int num_threads) {
     if (parts < 1 || N % parts) return -2;
     const expert_rows wt = {packed, scales, parts, packed_stride, scale_stride};
-    return grouped_gemm(x, K, offsets, experts, G, &wt, N, out, num_threads);
+    return grouped_gemm(x, K, offsets, experts, G, &wt, N, out, x_bf16, num_threads);
 }
 
 void mxfp4_dequantize(const int64_t *experts, int64_t G, const uint8_t *packed, const uint8_t *scales, int64_t N,
@@ -413,10 +541,10 @@ int mxfp4_moe_tokens(const void *h, int64_t h_stride, int h_bf16, int64_t T, int
         const char *row = (const char *)h + (slot[s] / k) * h_stride * es;
         for (int64_t c = 0; c < d; c++) x[s * d + c] = load_value(row, c, h_bf16);
     }
-    if (grouped_gemm(x, d, offsets, experts, G, &gate_up, 2 * I, gu, num_threads) != 0) goto done;
+    if (grouped_gemm(x, d, offsets, experts, G, &gate_up, 2 * I, gu, h_bf16, num_threads) != 0) goto done;
     for (int64_t s = 0; s < S; s++)
         gated_act_row(gu + s * 2 * I, gu + s * 2 * I + I, act + s * I, I, act_kind, beta, linear_beta);
-    if (grouped_gemm(act, I, offsets, experts, G, &down, d, y, num_threads) != 0) goto done;
+    if (grouped_gemm(act, I, offsets, experts, G, &down, d, y, 0, num_threads) != 0) goto done;
     memset(out, 0, sizeof(float) * (size_t)(T * d));
     for (int64_t s = 0; s < S; s++) {
         float *o = out + (slot[s] / k) * d;
