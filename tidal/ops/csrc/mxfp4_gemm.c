@@ -401,7 +401,8 @@ static int grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, co
         packed_at[g] = at;
         if (g < G && offsets[g + 1] - offsets[g] >= group_min) at += (offsets[g + 1] - offsets[g] + 15) / 16 * K * 8;
     }
-    uint32_t *xp = packed_at != NULL ? aligned_alloc(64, sizeof(uint32_t) * (size_t)(packed_at[G] + 16)) : NULL;
+    amx = packed_at != NULL && packed_at[G] > 0;  /* no group big enough: no tiles configured */
+    uint32_t *xp = amx ? aligned_alloc(64, sizeof(uint32_t) * (size_t)packed_at[G]) : NULL;
     amx = xp != NULL;
     for (int64_t g = 0; g < G && amx; g++)
         if (packed_at[g + 1] > packed_at[g])
