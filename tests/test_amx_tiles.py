@@ -137,7 +137,8 @@ print(json.dumps({"setting": cpu_kernels.amx_rows_setting(), "in_force": cpu_ker
 
 
 def run_with(env: dict[str, str]) -> dict:
-    full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    switches = ("TIDAL_CPU_AMX", "TIDAL_CPU_KERNELS", "TIDAL_CPU_PORTABLE")  # this run's own, not the caller's
+    full = {**{k: v for k, v in os.environ.items() if k not in switches}, "PYTHONPATH": str(ROOT), **env}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=full, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

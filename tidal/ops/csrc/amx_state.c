@@ -7,6 +7,7 @@
  * 0 on a thread that set tidal_amx_thread_off (deterministic inference, whose products must be
  * row-invariant at every row count: the tiles' order differs from the FMA tiles').
  */
+#include <stdatomic.h>
 #include <stdint.h>
 
 extern long syscall(long number, ...);
@@ -15,7 +16,7 @@ extern long syscall(long number, ...);
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-static int least_rows;
+static atomic_int least_rows; /* set by any thread, read by all */
 static _Thread_local int thread_off;
 
 /* rows > 0: ask Linux (once per process is enough; asking again is harmless) for the tile state.
