@@ -31,14 +31,15 @@ void attn_res_inv_rms(const void *x, int64_t stride, int64_t T, int64_t D, float
     const int64_t es = is_bf16 ? 2 : 4;
     int64_t t = 0;
 #if ROW_LANES
-    float *buf = T >= ROW_LANES ? malloc(sizeof(float) * (size_t)(ROW_LANES * D)) : NULL;
-    for (; buf != NULL && t + ROW_LANES <= T; t += ROW_LANES) {  /* inv_rms's bits, 16 rows at once */
+    float *buf = T >= LANES_MIN_ROWS ? malloc(sizeof(float) * (size_t)(ROW_LANES * D)) : NULL;
+    for (; buf != NULL && t + LANES_MIN_ROWS <= T; t += ROW_LANES) {  /* inv_rms's bits, 16 rows at once */
+        const int n = T - t < ROW_LANES ? (int)(T - t) : ROW_LANES;
         const void *rows[ROW_LANES];
         float ss[ROW_LANES];
-        for (int l = 0; l < ROW_LANES; l++) rows[l] = (const char *)x + (t + l) * stride * es;
-        lanes_transpose(rows, D, is_bf16, buf);
+        for (int l = 0; l < n; l++) rows[l] = (const char *)x + (t + l) * stride * es;
+        lanes_transpose(rows, n, D, is_bf16, buf);
         lanes_sums(buf, D, NULL, ss, NULL);
-        for (int l = 0; l < ROW_LANES; l++) out[t + l] = 1.0f / sqrtf(ss[l] / (float)D + eps);
+        for (int l = 0; l < n; l++) out[t + l] = 1.0f / sqrtf(ss[l] / (float)D + eps);
     }
     free(buf);
 #endif
@@ -78,8 +79,8 @@ static void mix_row(const char *const *rows, float *score, int64_t n_values, int
     }
 }
 
-/* Tokens go in groups of ROW_LANES: a whole group's scores are summed in row lanes (row_lanes.h),
- * the bits of one token's loop. */
+/* Tokens go in groups of ROW_LANES: a group of LANES_MIN_ROWS or more sums its scores in row lanes
+ * (row_lanes.h), the bits of one token's loop. */
 void attn_res_rows(const void *const *values, const int64_t *strides, int64_t n_values,
                    const float *const *block_inv_rms, const float *query, int64_t T, int64_t D, float eps,
                    int is_bf16, void *out, int num_threads) {
@@ -87,25 +88,26 @@ void attn_res_rows(const void *const *values, const int64_t *strides, int64_t n_
     if (n_values > MAX_VALUES) return;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && T * D * n_values >= 65536)
     {
-        float *buf = ROW_LANES > 0 && T >= ROW_LANES ? malloc(sizeof(float) * (size_t)(GROUP * D)) : NULL;
+        float *buf = ROW_LANES > 0 && T >= LANES_MIN_ROWS ? malloc(sizeof(float) * (size_t)(GROUP * D)) : NULL;
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t t0 = g * GROUP, t1 = t0 + GROUP < T ? t0 + GROUP : T;
 #if ROW_LANES
-            if (buf != NULL && t1 - t0 == ROW_LANES) {
+            const int n = (int)(t1 - t0);
+            if (buf != NULL && n >= LANES_MIN_ROWS) {
                 float score[ROW_LANES][MAX_VALUES], dot[ROW_LANES], ss[ROW_LANES];
                 const char *rows[ROW_LANES][MAX_VALUES];
                 for (int64_t j = 0; j < n_values; j++) {
                     const void *lane_rows[ROW_LANES];
-                    for (int l = 0; l < ROW_LANES; l++)
+                    for (int l = 0; l < n; l++)
                         lane_rows[l] = rows[l][j] = (const char *)values[j] + (t0 + l) * strides[j] * es;
                     const int last = j + 1 == n_values;
-                    lanes_transpose(lane_rows, D, is_bf16, buf);
+                    lanes_transpose(lane_rows, n, D, is_bf16, buf);
                     lanes_sums(buf, D, query, last ? ss : NULL, dot);
-                    for (int l = 0; l < ROW_LANES; l++)
+                    for (int l = 0; l < n; l++)
                         score[l][j] = dot[l] * (last ? 1.0f / sqrtf(ss[l] / (float)D + eps) : block_inv_rms[j][t0 + l]);
                 }
-                for (int l = 0; l < ROW_LANES; l++)
+                for (int l = 0; l < n; l++)
                     mix_row(rows[l], score[l], n_values, D, is_bf16, (char *)out + (t0 + l) * D * es, buf);
                 continue;
             }

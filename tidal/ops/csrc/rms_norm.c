@@ -30,25 +30,26 @@ static void norm_row(const char *xr, char *yr, const void *w, int w_bf16, int64_
     }
 }
 
-/* Rows go in groups of ROW_LANES: a whole group sums its squares in row lanes (row_lanes.h), the
- * same bits as one row's loop. */
+/* Rows go in groups of ROW_LANES: a group of LANES_MIN_ROWS or more sums its squares in row lanes
+ * (row_lanes.h), the same bits as one row's loop. */
 void rms_norm_rows(const void *x, int64_t x_stride, void *y, int64_t y_stride, const void *w, int w_bf16, int64_t M,
                    int64_t D, float eps, int x_bf16, int num_threads) {
     const int64_t es = x_bf16 ? 2 : 4, groups = (M + GROUP - 1) / GROUP;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && M * D >= 65536)
     {
-        float *buf = ROW_LANES > 0 && M >= ROW_LANES ? malloc(sizeof(float) * (size_t)(GROUP * D)) : NULL;
+        float *buf = ROW_LANES > 0 && M >= LANES_MIN_ROWS ? malloc(sizeof(float) * (size_t)(GROUP * D)) : NULL;
 #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t m0 = g * GROUP, m1 = m0 + GROUP < M ? m0 + GROUP : M;
 #if ROW_LANES
-            if (buf != NULL && m1 - m0 == ROW_LANES) {
+            const int n = (int)(m1 - m0);
+            if (buf != NULL && n >= LANES_MIN_ROWS) {
                 const void *rows[ROW_LANES];
                 float ss[ROW_LANES];
-                for (int l = 0; l < ROW_LANES; l++) rows[l] = (const char *)x + (m0 + l) * x_stride * es;
-                lanes_transpose(rows, D, x_bf16, buf);
+                for (int l = 0; l < n; l++) rows[l] = (const char *)x + (m0 + l) * x_stride * es;
+                lanes_transpose(rows, n, D, x_bf16, buf);
                 lanes_sums(buf, D, NULL, ss, NULL);
-                for (int l = 0; l < ROW_LANES; l++)
+                for (int l = 0; l < n; l++)
                     norm_row(rows[l], (char *)y + (m0 + l) * y_stride * es, w, w_bf16, D, eps, x_bf16, ss[l]);
                 continue;
             }

@@ -3,19 +3,24 @@
  * kernels are built without contraction: -std=c11), exactly as the one-row loop does; each lane
  * holds its own row, so a row's result is the same bits alone or among 15 others, and the
  * 16-way parallelism turns the latency-bound chain of one row into 16 chains side by side.
- * ROW_LANES is 16 where AVX-512 is built in, else 0 (callers then keep the one-row loop). */
+ * A group of fewer rows (down to LANES_MIN_ROWS) leaves the other lanes idle. ROW_LANES is 16
+ * where AVX-512 is built in, else 0 (callers then keep the one-row loop). */
 #pragma once
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16_scalar.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define ROW_LANES 16
+#define LANES_MIN_ROWS 4
 
-/* rows[l] (D values each, float32 or bfloat16) widened and transposed: buf[i * 16 + l] */
-static inline void lanes_transpose(const void *const rows[ROW_LANES], int64_t D, int is_bf16, float *buf) {
-    for (int l = 0; l < ROW_LANES; l++)
+/* rows[l] for l < n (D values each, float32 or bfloat16) widened and transposed: buf[i * 16 + l];
+ * the lanes from n on hold zeros */
+static inline void lanes_transpose(const void *const rows[ROW_LANES], int n, int64_t D, int is_bf16, float *buf) {
+    if (n < ROW_LANES) memset(buf, 0, sizeof(float) * (size_t)(ROW_LANES * D));
+    for (int l = 0; l < n; l++)
         for (int64_t i = 0; i < D; i++) buf[i * ROW_LANES + l] = load_value(rows[l], i, is_bf16);
 }
 
@@ -33,4 +38,5 @@ static inline void lanes_sums(const float *buf, int64_t D, const float *q, float
 }
 #else
 #define ROW_LANES 0
+#define LANES_MIN_ROWS (1 << 30)
 #endif
