@@ -50,6 +50,9 @@ def min_rows(expert: bool = False) -> int | None:
 
 
 def takes(rows: int, expert: bool = False) -> bool:
-    """Whether a bfloat16 product of ``rows`` rows goes to torch's matmul on this CPU now."""
+    """Whether a bfloat16 product of ``rows`` rows goes to torch's matmul on this CPU now (never one
+    row: a decode step's GEMV, asked at every product, returns before the environment is read)."""
+    if rows < 2:
+        return False
     least = min_rows(expert)
     return least is not None and rows >= least and not batch_invariant.enabled()
