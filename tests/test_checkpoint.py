@@ -423,7 +423,10 @@ def test_stacked_experts_are_strided_views_in_file_order_and_exact(tmp_path, cas
     prefills and decodes equal the copying load's (float32: the C grouped kernel on the strided
     weights; bf16: the per-expert matmuls); a write to a weight never reaches the file. bf16 experts
     and projections stay in the file through the serving prep (gate and up, and KDA's and MLA's
-    input projections, unfused), with the tokens and logprobs of the fused copies prep made before."""
+    input projections, unfused), with the tokens and logprobs of the fused copies prep made before.
+    (Products of many bf16 rows stay in the C kernels here, whose outputs are the same bits fused or
+    apart; torch's matmul picks kernels by the weight's shape and layout: tests/test_bf16_blas.py.)"""
+    monkeypatch.setenv("TIDAL_BF16_BLAS_MIN_ROWS", "0")
     from tidal import LLM, SamplingParams
     from tidal.model import layers
     from tidal.model.kda import KimiDeltaAttention

@@ -66,6 +66,8 @@ def test_one_row_has_the_same_bits_on_one_and_two_threads(kernel, N, K):
 
 
 def test_bf16_rows_take_the_kernel_at_every_count(monkeypatch):
+    """(With torch's matmul for many rows off: tests/test_bf16_blas.py covers that one.)"""
+    monkeypatch.setenv("TIDAL_BF16_BLAS_MIN_ROWS", "0")
     calls = []
     real = cpu_kernels.bf16_rows_kernel()
     if real is None:

@@ -17,6 +17,7 @@ from tidal.engine.whole_choice import score_after
 from tidal.engine.runner import ModelRunner
 from tidal.model.kimi import KimiForCausalLM
 from tidal.multimodal.encoder_cache import EncoderCache
+from tidal.ops import float_mode
 from tidal.plan import PoolLayout
 
 
@@ -45,6 +46,8 @@ class Worker:
         self.storage.apply(plan.copies)
         if not plan.query_lens:
             return None
+        if self.device.type == "cpu":  # subnormals flushed on the thread that runs the step
+            float_mode.ensure_flushing()
         return self.runner.execute(plan)
 
     def score(self, state_block: int, pages: list[int], length: int, last_logits: torch.Tensor,

@@ -528,7 +528,8 @@ class PackedExperts(nn.Module):
         w13, w2 = self.tables()
 
         def matmul(x: torch.Tensor, weight: ExpertTable) -> torch.Tensor:
-            return mxfp4_moe.grouped_matmul(x, offsets, expert_ids, counts, experts, weight)
+            return mxfp4_moe.grouped_matmul(x, offsets, expert_ids, counts, experts, weight,
+                                            bf16_rows=h.dtype == torch.bfloat16)
 
         x = h.index_select(0, token_of)
         gate, up = matmul(x, w13).tensor_split(2, dim=1)

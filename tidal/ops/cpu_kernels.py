@@ -361,6 +361,38 @@ def mxfp4_kernels() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Te
 
 
 @cache
+def mxfp4_dequantize_bf16_kernel() -> Callable[[ExpertTable, int], torch.Tensor] | None:
+    """Expert e of an :class:`ExpertTable` as bfloat16 [N, K], exactly (csrc/mxfp4_gemm.c's
+    ``mxfp4_dequantize_bf16``), or None."""
+    fn = _function("mxfp4_gemm", "mxfp4_dequantize_bf16",
+                   [_I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int])
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int
+
+    def dequantize(table: ExpertTable, e: int) -> torch.Tensor:
+        out = torch.empty(table.rows, table.cols, dtype=torch.bfloat16)
+        if fn(e, _ptr(table.packed), _ptr(table.scales), table.parts, table.packed_stride, table.scale_stride,
+              table.rows, table.cols, _ptr(out), torch.get_num_threads()) != 0:
+            raise ValueError(f"mxfp4_dequantize_bf16: {table.rows} rows in {table.parts} parts")
+        return out
+
+    return dequantize
+
+
+@cache
+def float_mode_kernels() -> tuple[Callable[[int, int], int], Callable[[], int]] | None:
+    """csrc/float_mode.c's (set flush-to-zero on the caller and its OpenMP pool, read the caller's
+    mode), or None."""
+    set_fn = _function("float_mode", "tidal_flush_denormals", [ctypes.c_int, ctypes.c_int])
+    get_fn = _function("float_mode", "tidal_flushing_denormals", [])
+    if set_fn is None or get_fn is None:
+        return None
+    set_fn.restype = get_fn.restype = ctypes.c_int
+    return set_fn, get_fn
+
+
+@cache
 def mxfp4_moe_kernel() -> Callable | None:
     """csrc/mxfp4_gemm.c's ``mxfp4_moe_tokens`` (a whole packed routed-expert sum), or None."""
     fn = _function("mxfp4_gemm", "mxfp4_moe_tokens",

@@ -13,7 +13,8 @@ half the bytes; :func:`bf16_twin`), by the C kernel: the weight is read once for
 each row's result is its batch-1 result bit for bit (the kernel's row-invariant order), so a
 verified chain's logits are the decode's. Other such weights go one row at a time: the rows'
 products cost that many batch-1 products, and each row's result is the batch-1 result bit for bit.
-Everything else is torch's.
+Many bfloat16 rows on a CPU with AMX tiles (a prefill chunk) go to torch's matmul instead, outside
+deterministic inference (``tidal.ops.bf16_blas``). Everything else is torch's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from tidal.ops import batch_invariant
+from tidal.ops import batch_invariant, bf16_blas
 from tidal.ops.cpu_kernels import WeightParts, bf16_gemm_kernel, bf16_parts_kernel, bf16_rows_kernel
 
 
@@ -43,6 +44,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     flat = x.dim() == 2  # decode's rows: no reshape around the call
     rows = x if flat else x.reshape(-1, x.shape[-1])
     dtype = x.dtype
+    if dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and bf16_blas.takes(rows.shape[0]):
+        return F.linear(x, w)
     if w.dtype == torch.bfloat16 and (dtype == torch.bfloat16 or dtype == torch.float32) and w.stride(1) == 1:
         kernel = bf16_rows_kernel() if dtype == torch.bfloat16 else bf16_gemm_kernel()
         if kernel is None:
@@ -87,6 +90,11 @@ def linear_parts(x: torch.Tensor, ws: list[torch.Tensor] | WeightParts) -> torch
     if len(weights) == 1:
         return linear(x, weights[0])
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if (x.dtype == torch.bfloat16 and bf16_blas.takes(rows.shape[0])
+            and all(w.dtype == torch.bfloat16 for w in weights)):
+        # one product on the concatenation: oneDNN's bits depend on the weight's rows too, and a
+        # layout that keeps the parts apart must give the bits of one that fused them
+        return F.linear(x, torch.cat(weights))
     kernel = None
     if (not batch_invariant.enabled() and x.dtype in (torch.float32, torch.bfloat16) and x.numel()
             and weights[0].shape[1] == x.shape[-1]

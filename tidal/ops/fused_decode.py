@@ -194,14 +194,16 @@ def packed_experts(
 def _blocks_ready(partial: torch.Tensor, blocks: list[torch.Tensor], block_cache: list[torch.Tensor], eps: float,
                   inv_fn: Callable) -> bool:
     """Whether the AttnRes kernels take these rows, after computing the inverse RMS of each block not yet
-    in ``block_cache`` (a block never changes once complete: once per block and forward pass)."""
-    if not _applies(partial, *blocks) or not _rows_ok(partial) or len(blocks) + 1 > 64 or any(
-            b.dtype != partial.dtype or not _rows_ok(b) or b.shape != partial.shape for b in blocks):
+    in ``block_cache`` (a block never changes once complete: once per block and forward pass). The
+    blocks in the cache were checked when they entered it: only the new ones and the rows are."""
+    new = blocks[len(block_cache):]
+    if not _applies(partial, *new) or not _rows_ok(partial) or len(blocks) + 1 > 64 or any(
+            b.dtype != partial.dtype or not _rows_ok(b) or b.shape != partial.shape for b in new):
         return False
     T, D = partial.shape
-    if len(block_cache) > len(blocks) or any(c.shape[0] != T for c in block_cache):
+    if len(block_cache) > len(blocks) or (block_cache and block_cache[0].shape[0] != T):
         return False
-    for b in blocks[len(block_cache):]:
+    for b in new:
         inv = torch.empty(T, dtype=torch.float32)
         inv_fn(_ptr(b), b.stride(0), T, D, eps, int(partial.dtype == torch.bfloat16), _ptr(inv))
         block_cache.append(inv)

@@ -38,7 +38,8 @@ def _taps(xx: torch.Tensor, weight: torch.Tensor, T: int) -> torch.Tensor:
     """sum_j xx[j : j + T] * weight[:, j] over the W taps, in at least float32: xx [W-1+T, ..., C]."""
     cdt = compute_dtype(xx.dtype)
     w = weight.to(cdt).t().contiguous()  # [W, C]: each tap's weights contiguous
-    y = xx[0:T].to(cdt) * w[0]
+    xx = xx.to(cdt)  # widened once for all the taps (exact), not once per tap
+    y = xx[0:T] * w[0]
     for j in range(1, w.shape[0]):
-        y.addcmul_(xx[j : j + T].to(cdt), w[j])
+        y.addcmul_(xx[j : j + T], w[j])
     return y

@@ -503,6 +503,47 @@ void mxfp4_dequantize(const int64_t *experts, int64_t G, const uint8_t *packed, 
     }
 }
 
+/* One block's 32 weights as bfloat16, columns in order: each value (an E2M1 code times a power of
+ * two, at most two significant bits) is a bfloat16 exactly, so it is the upper half of its float32. */
+static inline void decode_block_bf16(const uint8_t *restrict p, uint8_t scale, uint16_t *restrict v) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    /* the block's 16 values (one per code) as bfloat16, then the 32 codes looked up in them */
+    const __m512 values = _mm512_mul_ps(_mm512_loadu_ps(E2M1), _mm512_set1_ps(e8m0(scale)));
+    const __m256i table = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(values), 16));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)p), nib = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, nib), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nib);
+    const __m256i codes = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+    const __m512i idx = _mm512_cvtepu8_epi16(codes);
+    _mm512_storeu_si512(v, _mm512_permutexvar_epi16(idx, _mm512_castsi256_si512(table)));
+#else
+    float f[32];
+    decode_block_in_order(p, scale, f);
+    for (int i = 0; i < 32; i++) {
+        uint32_t bits;
+        memcpy(&bits, f + i, sizeof bits);
+        v[i] = (uint16_t)(bits >> 16);
+    }
+#endif
+}
+
+/* Expert e of a table (see expert_rows: N rows of K inputs, in parts) as bfloat16 out [N, K], columns
+ * in order, exactly (tidal.ops.bf16_blas's products of many rows). Returns 0, -2 when N is not a
+ * multiple of parts. */
+int mxfp4_dequantize_bf16(int64_t e, const int64_t *packed, const int64_t *scales, int64_t parts,
+                          int64_t packed_stride, int64_t scale_stride, int64_t N, int64_t K, uint16_t *out,
+                          int num_threads) {
+    if (parts < 1 || N % parts) return -2;
+    const int64_t part_rows = N / parts, blocks = K / 32;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && N * K >= (1 << 18))
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t p = n / part_rows, r = n % part_rows;
+        const uint8_t *we = (const uint8_t *)(intptr_t)packed[e * parts + p] + r * packed_stride;
+        const uint8_t *se = (const uint8_t *)(intptr_t)scales[e * parts + p] + r * scale_stride;
+        for (int64_t b = 0; b < blocks; b++) decode_block_bf16(we + b * 16, se[b], out + n * K + b * 32);
+    }
+    return 0;
+}
+
 /* The routed experts of T tokens: token t's rows h[t] (d values at row stride h_stride, float32 or
  * bfloat16) go to experts ids[t, :k] (int64 in [0, E)) with weights w[t, :k] (float32); the w13
  * table (2I rows of d inputs, 1 or 2 parts) gives gate | up, the w2 table (d rows of I inputs, one
