@@ -76,7 +76,8 @@ def experts(rows_per_expert: list[int], repeats: int) -> None:
                 for _ in range(5):
                     gemm(x, offsets, ids, packed, scales)
                 best[amx] = min(best[amx], (time.perf_counter() - start) / 5)
-        print(f"{'32 x 1024x384 MXFP4':28s} {per:4d} {best[0] * 1e3:9.2f} {best[1] * 1e3:9.2f} {best[0] / best[1]:8.2f}")
+        print(f"{'32 x 1024x384 MXFP4':28s} {per:4d} {best[0] * 1e3:9.2f} {best[1] * 1e3:9.2f} "
+              f"{best[0] / best[1]:8.2f}")
 
 
 def main() -> None:

@@ -440,7 +440,8 @@ def bf16_values_kernel() -> Callable[..., torch.Tensor] | None:
     """csrc/bf16_gemm.c's ``bf16_gemm_values_parts``: float32 rows whose values are bfloat16 ones
     times bfloat16 weights side by side, float32 out, the products the fused layer steps make (the
     AMX tiles from their threshold, like :func:`bf16_rows_kernel`'s sums); or None."""
-    fn = _function("bf16_gemm", "bf16_gemm_values_parts", [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_int])
+    fn = _function("bf16_gemm", "bf16_gemm_values_parts",
+                   [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_int])
     if fn is None:
         return None
     fn.restype = ctypes.c_int

@@ -439,8 +439,8 @@ static int grouped_gemm(const float *x_in, int64_t K, const int64_t *offsets, co
                     status = -1;
                     continue;
                 }
-                amx_group_chunk(we, ws, se, ss, K, c * ROW_CHUNK, j1, a_tile, xp + packed_at[g], rows, part_out + t0 * N, N,
-                                c_tile);
+                amx_group_chunk(we, ws, se, ss, K, c * ROW_CHUNK, j1, a_tile, xp + packed_at[g], rows,
+                                part_out + t0 * N, N, c_tile);
                 continue;
             }
 #endif
