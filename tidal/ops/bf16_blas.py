@@ -1,9 +1,10 @@
 """When a bfloat16 product of many rows goes to torch's matmul (oneDNN) instead of the C row kernels.
 
-On a CPU with AMX-BF16 tiles, oneDNN's bfloat16 GEMM multiplies on the tiles, several times the
-float32 multiply-add rate of the C kernels (``csrc/row_tiles.h``) once a product has a few tens of
-rows: a prefill chunk, an expert's rows in it, a large batch's LM head. A few rows (decode) stay in
-C, where streaming the weight once is the whole cost and the fused layer steps keep dispatch away.
+On a CPU with AMX-BF16 tiles, oneDNN's bfloat16 GEMM multiplies on the tiles, and so do the C
+kernels from a few rows (``csrc/amx_tiles.h``; below, the FMA register tiles of
+``csrc/row_tiles.h``); past a hundred or so rows oneDNN's blocking wins: a prefill chunk, an
+expert's rows in it, a large batch's LM head. Fewer rows (decode) stay in C, where streaming the
+weight once is most of the cost and the fused layer steps keep dispatch away.
 
 oneDNN picks its blocking, and so the order of a row's sums, from the number of rows: a row's bits
 then depend on the rows beside it. So this path is taken only for bfloat16 rows (whose model is
@@ -23,10 +24,10 @@ import torch
 
 from tidal.ops import batch_invariant
 
-# Rows from which oneDNN's tiles beat the C kernels (benchmarks/bench_bf16_blas.py): a trunk product,
+# Rows from which oneDNN's tiles beat the C kernels' (benchmarks/bench_bf16_blas.py): a trunk product,
 # and one packed expert's group, whose bf16 dequantisation each call pays.
-MIN_ROWS = 16
-MIN_EXPERT_ROWS = 32
+MIN_ROWS = 128
+MIN_EXPERT_ROWS = 192
 
 
 @cache
