@@ -118,11 +118,13 @@ def set_amx_rows(rows: int) -> int:
 @contextmanager
 def amx_rows(rows: int) -> Iterator[int]:
     """The block with the tile path's threshold at ``rows`` (0: off; 1: every row count, whose bits
-    are then row-invariant as the FMA tiles' are), yielding the one in force; the one before after."""
+    are then row-invariant as the FMA tiles' are), yielding the one in force (0 where the kernels
+    were built without the tiles: a portable build, another CPU); the one before after."""
     state = _amx_state()
     before = 0 if state is None else state.tidal_amx_least_rows()
+    built = hasattr(_library("bf16_gemm") or object(), "tidal_amx_bind")
     try:
-        yield set_amx_rows(rows)
+        yield set_amx_rows(rows) if built else 0
     finally:
         set_amx_rows(before)
 
