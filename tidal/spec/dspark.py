@@ -442,9 +442,7 @@ class DsparkDrafter:
                 return
             slots, positions = [slots[i] for i in keep], [positions[i] for i in keep]
             taps = taps[torch.tensor(keep, dtype=torch.long, device=taps.device)]
-        dev = self.device
-        self.cache.stage(torch.tensor(slots, dtype=torch.long, device=dev),
-                         torch.tensor(positions, dtype=torch.long, device=dev), taps.to(dev, torch.float32))
+        self.cache.stage_rows(slots, positions, taps)
 
     def _project(self, slots: torch.Tensor) -> None:
         """Compute the keys/values of the handed-over positions of ``slots`` not computed yet."""

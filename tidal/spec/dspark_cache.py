@@ -19,6 +19,7 @@ is freed when its request leaves.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -36,6 +37,12 @@ class DraftContextCache:
         self.window, self.max_requests = window, max_requests
         self._slot: dict[str, int] = {}
         self._free = list(range(max_requests - 1, -1, -1))
+        # On the CPU, rows are placed through numpy views of the same memory: its fancy-index
+        # assignment of a step's rows costs a fraction of torch's index_copy_ (the per-step cost
+        # of keeping the context while the policy decodes plainly).
+        self._np = None
+        if self.taps.device.type == "cpu":
+            self._np = (self.pos.view(-1).numpy(), self.taps.view(-1, tap_width).numpy(), self.unprojected.view(-1).numpy())
 
     @staticmethod
     def bytes_for(num_layers: int, num_heads: int, head_dim: int, window: int, max_requests: int,
@@ -56,10 +63,27 @@ class DraftContextCache:
     def stage(self, slots: torch.Tensor, positions: torch.Tensor, taps: torch.Tensor) -> None:
         """Rows at ``positions`` [R] of ``slots`` [R] (distinct (slot, position % window) pairs) get
         the tapped states ``taps`` [R, tap_width]; their keys and values are computed later."""
+        if self._np is not None:
+            self.stage_rows(slots.numpy(), positions.numpy(), taps)
+            return
         rows = slots * self.window + positions % self.window
         self.pos.view(-1).index_copy_(0, rows, positions)
         self.taps.view(-1, self.taps.shape[-1]).index_copy_(0, rows, taps)
         self.unprojected.view(-1)[rows] = True
+
+    def stage_rows(self, slots: list[int] | np.ndarray, positions: list[int] | np.ndarray, taps: torch.Tensor) -> None:
+        """:meth:`stage` with the slots and positions as integers (a step's plain decodes)."""
+        if self._np is None:
+            dev = self.taps.device
+            self.stage(torch.as_tensor(slots, dtype=torch.long, device=dev),
+                       torch.as_tensor(positions, dtype=torch.long, device=dev), taps)
+            return
+        positions = np.asarray(positions, dtype=np.int64)
+        rows = np.asarray(slots, dtype=np.int64) * self.window + positions % self.window
+        pos, rows_of_taps, unprojected = self._np
+        pos[rows] = positions
+        rows_of_taps[rows] = taps.detach().to("cpu", torch.float32).numpy()
+        unprojected[rows] = True
 
     def pending(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows of ``slots`` whose keys/values are not computed yet: (flat row indexes [P],
