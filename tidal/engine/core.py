@@ -493,7 +493,7 @@ class EngineCore:
         for req in batch.new_requests:  # as sent: a healed prompt's left-out token is counted
             self._metrics.prompt_tokens += len(req.sent_prompt_token_ids)
         self.num_plans += 1
-        taps = (self.spec.tap_layers, self.spec.tap_window) if self.spec is not None else ((), 0)
+        taps = self.spec.plan_taps() if self.spec is not None else ((), 0)
         plan, rows = plan_step(self.num_plans, batch, self.pool, *taps)
         if self.plan_recorder is not None:
             self.plan_recorder.append(plan)

@@ -11,6 +11,9 @@
    corrected by how often the target reached such positions lately (:mod:`tidal.spec.calibration`).
    A request held to a plain grammar has its draft cut before the first token the grammar
    rejects, and keeps each chain position's mask for its verify (:mod:`tidal.spec.grammar_draft`).
+   Where the policy has decided chains lose, plain steps do next to nothing speculative: shadow
+   drafts grow rare, and steps far from the next draft ask the forward for no hidden states for
+   the drafter (:mod:`tidal.spec.context_gaps`).
 2. The step plan carries each chain's state slots (:meth:`ChainMemory.slots`); the worker's
    runner runs chains with the decode numerics (:mod:`tidal.spec.verify`) beside the
    step's decodes and prefills, and returns every chain position's logits.
@@ -36,10 +39,11 @@ from tidal.engine.sampler import SampleResult, SampleRow
 from tidal.spec.accept import accept_chain, chain_rows
 from tidal.spec.calibration import ReachCalibration, reach_of
 from tidal.spec.config import SpeculativeConfig
+from tidal.spec.context_gaps import ContextGaps
 from tidal.spec.drafter import Draft, Drafter, NgramDrafter, confident_prefix, propose_all
 from tidal.spec.grammar_draft import FrozenMask, grammar_cut, masked_probs, speculable
 from tidal.spec.metrics import SpecMetrics
-from tidal.spec.policy import CostPolicy, RequestBackoff
+from tidal.spec.policy import CostPolicy, RequestBackoff, bucket_of
 from tidal.spec.rollback import ChainMemory
 
 
@@ -52,6 +56,15 @@ from tidal.spec.rollback import ChainMemory
 # drafts never pay costs a few percent.
 SHADOW_EVERY = 4
 SHADOW_OVERHEAD = 0.03
+# A drafter reading the target's hidden states (DSPARK) costs more per shadow: the draft itself,
+# and the window of steps before it that must hand the drafter their taps (tidal.spec.context_gaps).
+# Above one sequence, in a bucket where chains lost (CostPolicy.chains_lost), its shadows keep
+# doubling past the budget, up to MAX_SHADOW_EVERY steps, and are never more often than keeps their
+# drafts within LOST_SHADOW_OVERHEAD of the steps (the probes' budget there): when the batch is
+# compute-bound the text rarely turns chains back on, and the probes' chains measure its acceptance
+# for every sequence. (An NGRAM shadow costs next to nothing and stays frequent.)
+LOST_SHADOW_OVERHEAD = 0.0025
+MAX_SHADOW_EVERY = 1024
 
 
 def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype, device: torch.device,
@@ -79,11 +92,17 @@ def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
     raise ValueError(f"speculative_algorithm {config.algorithm} is not implemented")
 
 
-def shadow_interval(num_decodes: int, draft_seconds: float, step_seconds: float, nth: int = 0) -> int:
+def shadow_interval(num_decodes: int, draft_seconds: float, step_seconds: float, nth: int = 0,
+                    rarer: bool = False) -> int:
     """Plain steps from a plain stretch's ``nth`` shadow draft (0: its first) to the next:
     SHADOW_EVERY or one a sequence, doubled ``nth`` times, at most as many as keep a draft of
-    ``draft_seconds`` within SHADOW_OVERHEAD of steps of ``step_seconds`` (0: not measured yet)."""
+    ``draft_seconds`` within SHADOW_OVERHEAD of steps of ``step_seconds`` (0: not measured yet);
+    ``rarer`` (a hidden-state drafter where chains lost, see LOST_SHADOW_OVERHEAD): doubled up to
+    MAX_SHADOW_EVERY, at least as many as keep a draft within LOST_SHADOW_OVERHEAD."""
     least = max(SHADOW_EVERY, num_decodes)
+    if rarer:
+        rare = math.ceil(draft_seconds / (LOST_SHADOW_OVERHEAD * step_seconds)) if step_seconds > 0 else 0
+        return min(MAX_SHADOW_EVERY, max(least << min(nth, 20), rare))
     rare = math.ceil(draft_seconds / (SHADOW_OVERHEAD * step_seconds)) if step_seconds > 0 else 0
     return max(least, min(least << min(nth, 20), rare))
 
@@ -105,6 +124,10 @@ class SpecDecoder:
         # how many trailing positions of each sequence's step it needs; the step plan asks for them.
         self.tap_layers: tuple[int, ...] = tuple(getattr(self.drafter, "tap_layers", ()))
         self.tap_window: int = int(getattr(self.drafter, "tap_window", 0)) if self.tap_layers else 0
+        # plain steps of lost buckets that tap nothing, and the requests they left waiting to draft
+        self.gaps = ContextGaps(self.tap_window)
+        self._tapping = True  # whether the step being built asks for the taps (plan_taps)
+        self._cut_all = False  # whether a draft of the step being built was cut whole by confidence
         self.memory = ChainMemory(pool, model_config, config.rollback)
         self.metrics = SpecMetrics(config.num_draft_tokens)
         self.policy = CostPolicy() if config.adaptive else None
@@ -115,7 +138,9 @@ class SpecDecoder:
         self._next_shadow = SHADOW_EVERY
         self._shadow_seconds = 0.0  # the last shadow draft's time
         self._plain_seconds = 0.0  # the last decode-only plain step's time
-        self._stretch_shadows = 0  # shadow drafts since the policy last chose chains
+        # per batch-size bucket: shadow drafts since the policy last chose chains there (chains in
+        # another bucket, e.g. a lone request at the end of a batch, leave a plain stretch going)
+        self._stretch_shadows: dict[int, int] = {}
         # which requests draft in a speculating step (pauses after mostly rejected chains)
         self.backoff = RequestBackoff(config.min_accept_rate)
         # the confidence cut on the reach the target was measured to give (tidal.spec.calibration),
@@ -129,6 +154,8 @@ class SpecDecoder:
         """Give decodes of the scheduled ``batch`` their drafts (``batch.drafts``), growing their
         query to the chain, within ``budget`` extra tokens and the memory the pool has available."""
         cfg = self.config
+        self._tapping = True
+        self._cut_all = False
         if cfg.max_spec_batch and len(batch.requests) > cfg.max_spec_batch:
             return
         if self.policy is not None:
@@ -136,8 +163,10 @@ class SpecDecoder:
             prefill = any(n > 1 for n in batch.query_lens)  # before any chain: only prefills are longer
             if not self.policy.speculate(decoding_count(batch), explore=not prefill):
                 self._shadow(batch)
+                if self.tap_layers and not prefill:
+                    self._skip_taps(batch)
                 return
-            self._stretch_shadows = 0
+            self._stretch_shadows.pop(bucket_of(decoding_count(batch)), None)
         asks, where = [], []
         for i, (req, n, c) in enumerate(zip(batch.requests, batch.query_lens, batch.cached_lens)):
             if budget <= 0:
@@ -147,7 +176,7 @@ class SpecDecoder:
             k = min(cfg.num_draft_tokens, req.max_tokens - req.num_output_tokens - 1, budget)
             if k < 1:
                 continue
-            if not self.backoff.allows(req.request_id):
+            if not self.backoff.allows(req.request_id) or not self.gaps.complete(req):
                 continue
             asks.append((req.request_id, req.token_ids, k))
             where.append((i, req, c, k))
@@ -155,10 +184,11 @@ class SpecDecoder:
         least = self.policy.min_confidence(decoding_count(batch)) if self.policy is not None else 0.0
         drafts = propose_all(self.drafter, asks, least) if asks else []
         for (i, req, c, k), draft in zip(where, drafts):
-            if draft is None or not draft.tokens:
+            if draft is None:
                 continue
             tokens = draft.tokens[: min(k, self.calibration.prefix(draft, least))]
-            if not tokens:
+            if not tokens:  # the confidence cut left nothing (the drafting was paid for)
+                self._cut_all = True
                 continue
             if any(not 0 <= t < self.vocab_size for t in tokens):
                 raise ValueError(f"the drafter proposed a token outside the vocabulary: {tokens}")
@@ -190,12 +220,15 @@ class SpecDecoder:
         self._plain_steps += 1
         if self._plain_steps < self._next_shadow:
             return
-        self._next_shadow = self._plain_steps + shadow_interval(decoding_count(batch), self._shadow_seconds,
-                                                                self._plain_seconds, self._stretch_shadows)
-        self._stretch_shadows += 1
-        cands = [r for r, n, c in zip(batch.requests, batch.query_lens, batch.cached_lens)
-                 if n == 1 and c == r.num_tokens - 1 and (r.constraint is None or speculable(r.constraint))
-                 and r.request_id not in self._shadows]
+        n = decoding_count(batch)
+        nth = self._stretch_shadows.get(bucket_of(n), 0)
+        rarer = bool(self.tap_layers) and self.policy.chains_lost(n)
+        self._next_shadow = self._plain_steps + shadow_interval(n, self._shadow_seconds, self._plain_seconds, nth,
+                                                                rarer)
+        self._stretch_shadows[bucket_of(n)] = nth + 1
+        cands = [r for r, q, c in zip(batch.requests, batch.query_lens, batch.cached_lens)
+                 if q == 1 and c == r.num_tokens - 1 and (r.constraint is None or speculable(r.constraint))
+                 and r.request_id not in self._shadows and self.gaps.complete(r)]
         k = self.config.num_draft_tokens
         if not cands:
             return
@@ -203,7 +236,6 @@ class SpecDecoder:
         k = min(k, req.max_tokens - req.num_output_tokens - 1)
         if k < 1:
             return
-        n = decoding_count(batch)
         least = self.policy.min_confidence(n)  # a speculative step would verify the prefix sure enough
         start = time.perf_counter()
         draft = propose_all(self.drafter, [(req.request_id, req.token_ids, k)], least)[0]
@@ -219,6 +251,21 @@ class SpecDecoder:
         reach = reach_of(draft)[: len(raw)]
         self._shadows[req.request_id] = (req, req.num_tokens, list(raw), n,
                                          min(len(raw), self.calibration.prefix(draft, least)), reach)
+
+    def _skip_taps(self, batch) -> None:
+        """A decode-only plain step asks for no taps where chains lost, the next shadow draft is
+        more than a window of plain steps away and the next probe more than two (its distance
+        follows the estimates) (:mod:`tidal.spec.context_gaps`)."""
+        w = self.tap_window
+        n = decoding_count(batch)
+        if self._next_shadow - self._plain_steps <= w or self.policy.steps_before_probe(n) <= 2 * w:
+            return
+        self._tapping = False
+        self.gaps.skip(batch.requests, batch.cached_lens)
+
+    def plan_taps(self) -> tuple[tuple[int, ...], int]:
+        """(tap layers, tap window) the step built by :meth:`extend` asks the forward for."""
+        return (self.tap_layers, self.tap_window) if self._tapping else ((), 0)
 
     def _score_shadows(self) -> None:
         """Shadow drafts whose positions the target has produced since (or whose request ended):
@@ -242,9 +289,14 @@ class SpecDecoder:
         tokens committed): only steps without prefill work inform the policy."""
         if self.policy is None or any(n > 1 for b, n in enumerate(batch.query_lens) if b not in batch.drafts):
             return
-        if not batch.drafts:
+        # A step whose drafts were cut whole by the confidence cut (nothing sure enough to verify,
+        # as at 32 sequences) is a speculative step: it paid for drafting, and counted as plain it
+        # kept the policy exploring chains that never came, drafting in every step. (A drafter with
+        # no guess, NGRAM without a match, did next to no work: that step stays plain.)
+        speculated = self._cut_all or bool(batch.drafts)
+        if not speculated:
             self._plain_seconds = seconds
-        self.policy.record(decoding_count(batch), bool(batch.drafts), seconds, tokens)
+        self.policy.record(decoding_count(batch), speculated, seconds, tokens)
 
     def accept(self, req: Request, draft: Draft, logits: torch.Tensor) -> list[SampleResult]:
         """The committed tokens of ``req``'s chain (logits [m, V] of its positions)."""
@@ -303,6 +355,7 @@ class SpecDecoder:
         self._reach.pop(request_id, None)
         self._masks.pop(request_id, None)
         self.backoff.forget(request_id)
+        self.gaps.forget(request_id)
         self.drafter.forget(request_id)
 
     def release_all(self) -> None:

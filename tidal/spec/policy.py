@@ -111,6 +111,13 @@ class CostPolicy:
     pairs: dict[int, deque] = field(default_factory=dict)  # per bucket: chain over plain seconds per token
     pair_extra: dict[int, deque] = field(default_factory=dict)  # per bucket: a pair's chain step beyond its tokens
     _prev: dict[int, tuple[bool, float, float]] = field(default_factory=dict, repr=False)  # last step per bucket
+    # What the judgements read changes only in record / record_shadow: each bucket's data carries a
+    # version (and all of it one more), and winner / probe_interval are kept until theirs changes
+    # (a step asks several times; at 32 sequences recomputing them was 0.3% of a plain step).
+    _versions: dict[int, int] = field(default_factory=dict, repr=False)
+    _version: int = field(default=0, repr=False)
+    _winners: dict[int, tuple[int, bool | None]] = field(default_factory=dict, repr=False)
+    _intervals: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     def speculate(self, num_decodes: int, explore: bool = True) -> bool:
         """Whether a step with ``num_decodes`` decoding sequences should draft. ``explore`` False
@@ -142,6 +149,7 @@ class CostPolicy:
         if tokens <= 0 or num_decodes <= 0:
             return
         b = bucket_of(num_decodes)
+        self._changed(b)
         if speculated:
             self._accept(b, (tokens, num_decodes))
         if self.skip_first and speculated not in self._warm:
@@ -186,7 +194,12 @@ class CostPolicy:
     def record_shadow(self, num_decodes: int, tokens: float) -> None:
         """A shadow draft in a step of ``num_decodes`` sequences: a chain would have committed
         ``tokens`` (accepted drafts + 1)."""
+        self._changed(bucket_of(num_decodes))
         self._accept(bucket_of(num_decodes), (tokens, 1))
+
+    def _changed(self, bucket: int) -> None:
+        self._versions[bucket] = self._versions.get(bucket, 0) + 1
+        self._version += 1
 
     def tokens_per_sequence(self, bucket: int) -> float:
         """Committed tokens per decoding sequence of a speculative step in ``bucket``, recently (1
@@ -209,6 +222,14 @@ class CostPolicy:
         token costs ``decisive`` times a plain one (exploring more would cost more than noise
         could explain; a lone sequence explores fully: its chains are the cheapest, its first
         ones often the least accepted)."""
+        version = self._versions.get(bucket, 0)
+        got = self._winners.get(bucket)
+        if got is None or got[0] != version:
+            got = self._winners[bucket] = (version, self._judge(bucket))
+        return got[1]
+
+    def _judge(self, bucket: int) -> bool | None:
+        """:meth:`winner`, computed."""
         spec, plain = self._of(bucket, True), self._of(bucket, False)
         if not spec or not plain:
             return None
@@ -225,6 +246,21 @@ class CostPolicy:
             self._last[bucket] = a < c * (1.0 - self.margin)
         return self._last[bucket]
 
+    def chains_lost(self, num_decodes: int) -> bool:
+        """Whether chains lost in the bucket of a step of ``num_decodes`` (> 1) sequences, as last
+        judged (a lone sequence's bucket never counts: its chains are the cheapest)."""
+        b = bucket_of(num_decodes)
+        return b > 1 and self._last.get(b) is False
+
+    def steps_before_probe(self, num_decodes: int) -> int:
+        """How many of the next steps of ``num_decodes`` (> 1) sequences will decode plainly, at
+        the current estimates, in a bucket where chains lost (0: a bucket that is not decided
+        against chains, or a lone sequence's)."""
+        b = bucket_of(num_decodes)
+        if not self.chains_lost(num_decodes) or b not in self._probed:
+            return 0
+        return max(0, self.probe_interval(b) - (self.steps.get(b, 0) - self._probed[b]) - 1)
+
     def loss(self, bucket: int) -> float | None:
         """The loser's seconds per token over the winner's in ``bucket`` (None: not measured)."""
         if self.winner(bucket) is None:
@@ -240,6 +276,13 @@ class CostPolicy:
         steps more. Above one sequence, a probing chain step costs at least what the bucket's
         adjacent pairs measured, and probes of losing chains get ``chain_probe_overhead``
         (see the module docstring)."""
+        got = self._intervals.get(bucket)
+        if got is None or got[0] != self._version:
+            got = self._intervals[bucket] = (self._version, self._interval(bucket))
+        return got[1]
+
+    def _interval(self, bucket: int) -> int:
+        """:meth:`probe_interval`, computed."""
         loss = self.loss(bucket)
         if loss is None:
             loss, chains_lost = self._loss_below(bucket) or 1.0, True

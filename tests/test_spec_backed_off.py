@@ -1,0 +1,149 @@
+"""A speculating engine whose policy has turned chains off (tidal.spec.context_gaps, the shadow
+drafts of tidal.spec.decoder, tidal.spec.policy): its plain steps do almost nothing speculative.
+Where chains lost, shadow drafts grow rare and most steps hand the DSPARK drafter no hidden
+states; every draft made afterwards (chains resuming as announced, or at once) reads a whole
+context window, and greedy output equals plain decoding throughout."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal import SamplingParams
+from tidal.spec.decoder import LOST_SHADOW_OVERHEAD, MAX_SHADOW_EVERY, shadow_interval
+from tidal.spec.policy import CostPolicy
+
+from test_dspark import PROMPTS, dspark, model, trained  # noqa: F401 - fixtures
+from test_engine import drive, one_thread  # noqa: F401 - one_thread: autouse
+from test_spec import make_engine, outputs
+
+
+class Phases(CostPolicy):
+    """The policy's bookkeeping with its choice scripted: phases of (steps, chains, announced).
+    A plain phase has chains lost; ``announced``: the probe that ends it is announced
+    (steps_before_probe counts down to it), else the chains that follow come unannounced (as
+    when a batch moves into a bucket where chains win)."""
+
+    def __init__(self, phases: list[tuple[int, bool, bool]]) -> None:
+        super().__init__()
+        self.script = [(chains, announced, left) for steps, chains, announced in phases
+                       for left in range(steps - 1, -1, -1)]
+        self.step = 0  # decode-only steps decided so far
+        self.chose = False  # the last decision
+
+    def _now(self) -> tuple[bool, bool, int]:
+        return self.script[min(self.step, len(self.script) - 1)]
+
+    def speculate(self, num_decodes: int, explore: bool = True) -> bool:
+        if not explore:
+            return False
+        self.chose = self._now()[0]
+        self.step += 1
+        return self.chose
+
+    def chains_lost(self, num_decodes: int) -> bool:
+        return not self._now()[0]
+
+    def min_confidence(self, num_decodes: int) -> float:
+        return 0.0  # every draft verified (the test's drafter is unsure of each token)
+
+    def steps_before_probe(self, num_decodes: int) -> int:
+        chains, announced, left = self._now()
+        return 0 if chains else (left if announced else 10**6)
+
+
+def test_drafts_after_untapped_steps_read_whole_windows_and_output_stays_greedy(model, trained):
+    """Plain stretches with chains lost skip the taps; chains resuming unannounced wait until each
+    request's window is tapped again, announced ones draft at once; at every draft the drafter's
+    cache holds each position of the request's window, and the output equals plain decoding."""
+    prompts = PROMPTS[:8]
+    jobs = [(0, str(i), p, SamplingParams(temperature=0, max_tokens=230, ignore_eos=True)) for i, p in enumerate(prompts)]
+    want = drive(make_engine(model), jobs)
+    engine = make_engine(model, spec=dspark(trained), enable_prefix_caching=False)
+    phases = [(100, False, False), (40, True, False), (60, False, True), (200, True, False)]
+    policy = engine.spec.policy = Phases(phases)
+    engine.spec.backoff.min_rate = 0.0  # no request pauses after rejected chains: each drafts when it may
+    drafter, window = engine.spec.drafter, engine.spec.tap_window
+    engine.plan_recorder = []
+    drafted_at: list[int] = []  # the policy's step of every chain draft
+
+    def checked(asks, least=0.0, _propose=drafter.propose_many):
+        for rid, ids, _ in asks:
+            held = set(drafter.cache.pos[drafter.cache.slot(rid)].tolist())
+            n = len(ids)
+            missing = set(range(max(0, n - 1 - window), n - 1)) - held
+            assert not missing, (rid, n, sorted(missing))
+        if policy.chose:  # a chain step's drafts (not a shadow's)
+            drafted_at.append(policy.step)
+        return _propose(asks, least)
+
+    drafter.propose_many = checked
+    assert outputs(drive(engine, jobs)) == outputs(want)
+    untapped = sum(1 for p in engine.plan_recorder if not p.tap_layers)
+    assert untapped >= 50, untapped
+    resumed, announced = 100, 200  # the first chain steps of phases 2 and 4 (1-based policy steps)
+    first = min(s for s in drafted_at if s > resumed)
+    assert window - 2 <= first - resumed <= window + 2, (first, drafted_at)  # waited for a window
+    assert announced + 1 in drafted_at  # announced: tapped ahead, drafts at once
+    assert engine.spec.metrics.num_accepted_tokens > 0
+
+
+def test_lost_buckets_shadow_ever_rarer_within_their_budget():
+    """A hidden-state drafter's shadows where chains lost above one sequence: the gap keeps doubling
+    up to MAX_SHADOW_EVERY and never drops below what keeps a draft within LOST_SHADOW_OVERHEAD of
+    the steps."""
+    gaps = [shadow_interval(32, 0.001, 0.020, nth, rarer=True) for nth in range(8)]
+    assert gaps == [32, 64, 128, 256, 512, 1024, 1024, 1024], gaps
+    assert shadow_interval(32, 0.004, 0.020, 0, rarer=True) == pytest.approx(0.004 / (LOST_SHADOW_OVERHEAD * 0.020), abs=1)
+    assert shadow_interval(32, 0.004, 0.020, 3) == 32  # otherwise (NGRAM, or chains not lost): as before
+    assert MAX_SHADOW_EVERY >= 1024
+
+
+def test_steps_before_probe_counts_down_to_the_probe():
+    """At steady costs, a bucket where chains lost says how many plain steps come before its next
+    probe, and the probe comes exactly then."""
+    policy = CostPolicy()
+    for _ in range(12):
+        chains = policy.speculate(32)
+        policy.record(32, chains, 0.3 if chains else 0.07, 48 if chains else 32)
+    assert policy.chains_lost(32) and not policy.chains_lost(1)
+    left = policy.steps_before_probe(32)
+    assert left > 100
+    for i in range(left):
+        assert policy.speculate(32) is False, i
+        policy.record(32, False, 0.07, 32)
+        assert policy.steps_before_probe(32) == left - i - 1
+    assert policy.speculate(32) is True
+
+
+def test_the_embedded_engine_at_32_sequences_backs_off_to_nearly_plain_steps():
+    """The embedded model with its DSPARK drafter and the engine's own policy, 32 sequences for
+    384 tokens: chains lose at 32, decided after a few drafting steps (a step whose drafts were
+    all cut counts as one: counted as plain, it left the policy drafting at every step), and then
+    shadow drafts come ever rarer (one every 32 steps before: 12 in such a run) and most plain
+    steps tap nothing; the requests' output equals their plain decoding (compared for 4 of them:
+    greedy output does not depend on the batch)."""
+    from tidal import LLM
+    from tidal.embedded import embedded_model_dir
+
+    from test_spec_grammar import DRAFTER
+
+    kw = dict(enable_prefix_caching=False, kv_cache_memory_bytes=64_000_000)
+    llm = LLM(embedded_model_dir(), speculative_algorithm="DSPARK", speculative_draft_model_path=str(DRAFTER), **kw)
+    engine, tok = llm.engine, llm.engine.tokenizer
+    prompts = [tok.encode(f"def step_{i}(state, rate={i / 10}):\n    total = state.count * {i}\n") for i in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=384, ignore_eos=True)
+    jobs = [(0, str(i), p, params) for i, p in enumerate(prompts)]
+    drafter = engine.spec.drafter
+    calls = []
+    drafter.propose_many = lambda asks, least=0.0, _f=drafter.propose_many: calls.append(len(asks)) or _f(asks, least)
+    engine.plan_recorder = []
+    got = outputs(drive(engine, jobs))
+    at32 = [p for p in engine.plan_recorder if len(p.query_lens) == 32 and all(q == 1 for q in p.query_lens)]
+    assert engine.spec.policy.chains_lost(32)
+    # drafting steps: exploring (the first is not kept; with every draft cut a step still counts)
+    assert sum(1 for c in calls if c > 1) <= 4, calls
+    assert sum(1 for c in calls if c == 1) <= 5, calls  # shadow drafts
+    untapped = sum(1 for p in at32 if not p.tap_layers)
+    assert len(at32) >= 350 and untapped >= 0.35 * len(at32), (untapped, len(at32))
+    plain = LLM(embedded_model_dir(), **kw).engine
+    assert outputs(drive(plain, jobs[:4])) == {k: got[k] for k in ("0", "1", "2", "3")}
