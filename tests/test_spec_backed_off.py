@@ -100,7 +100,8 @@ def test_lost_buckets_shadow_ever_rarer_within_their_budget():
 
 def test_steps_before_probe_counts_down_to_the_probe():
     """At steady costs, a bucket where chains lost says how many plain steps come before its next
-    probe, and the probe comes exactly then."""
+    probe, and the probe comes exactly then; a probe that could not draft (defer_probe) is tried
+    again at the next step, and once one ran the count starts over."""
     policy = CostPolicy()
     for _ in range(12):
         chains = policy.speculate(32)
@@ -113,6 +114,10 @@ def test_steps_before_probe_counts_down_to_the_probe():
         policy.record(32, False, 0.07, 32)
         assert policy.steps_before_probe(32) == left - i - 1
     assert policy.speculate(32) is True
+    policy.defer_probe(32)  # the probe found no request with its context whole: probe again next step
+    assert policy.steps_before_probe(32) == 0 and policy.speculate(32) is True
+    policy.record(32, True, 0.3, 48)
+    assert policy.steps_before_probe(32) > 100 and policy.speculate(32) is False
 
 
 def test_the_embedded_engine_at_32_sequences_backs_off_to_nearly_plain_steps():

@@ -167,7 +167,7 @@ class SpecDecoder:
                     self._skip_taps(batch)
                 return
             self._stretch_shadows.pop(bucket_of(decoding_count(batch)), None)
-        asks, where = [], []
+        asks, where, waiting = [], [], False
         for i, (req, n, c) in enumerate(zip(batch.requests, batch.query_lens, batch.cached_lens)):
             if budget <= 0:
                 break
@@ -176,11 +176,16 @@ class SpecDecoder:
             k = min(cfg.num_draft_tokens, req.max_tokens - req.num_output_tokens - 1, budget)
             if k < 1:
                 continue
-            if not self.backoff.allows(req.request_id) or not self.gaps.complete(req):
+            if not self.backoff.allows(req.request_id):
+                continue
+            if not self.gaps.complete(req):
+                waiting = True
                 continue
             asks.append((req.request_id, req.token_ids, k))
             where.append((i, req, c, k))
             budget -= k
+        if waiting and not asks and self.policy is not None:  # a probe that came before the taps did
+            self.policy.defer_probe(decoding_count(batch))
         least = self.policy.min_confidence(decoding_count(batch)) if self.policy is not None else 0.0
         drafts = propose_all(self.drafter, asks, least) if asks else []
         for (i, req, c, k), draft in zip(where, drafts):

@@ -261,6 +261,13 @@ class CostPolicy:
             return 0
         return max(0, self.probe_interval(b) - (self.steps.get(b, 0) - self._probed[b]) - 1)
 
+    def defer_probe(self, num_decodes: int) -> None:
+        """The probe just chosen for a bucket where chains lost drafted nothing (its requests'
+        drafter context is not whole yet): the next steps probe again until one drafts."""
+        b = bucket_of(num_decodes)
+        if self.chains_lost(num_decodes) and b in self._probed:
+            self._probed[b] = -self.max_probe_every
+
     def loss(self, bucket: int) -> float | None:
         """The loser's seconds per token over the winner's in ``bucket`` (None: not measured)."""
         if self.winner(bucket) is None:
