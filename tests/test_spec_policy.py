@@ -418,3 +418,23 @@ def test_a_probe_above_one_sequence_comes_as_rarely_as_its_measured_cost_beside_
     assert policy.winner(32) is False and policy.loss(32) < 2.0
     assert sorted(policy.pair_extra[32])[len(policy.pair_extra[32]) // 2] == pytest.approx(4.0)
     assert policy.probe_interval(32) == 400
+
+
+def test_kept_judgements_equal_fresh_ones():
+    """winner and probe_interval are kept until a record changes what they read: over a random
+    run of steps and shadow drafts in several buckets, each equals its fresh computation."""
+    import random
+
+    rng = random.Random(5)
+    policy = CostPolicy()
+    for _ in range(3000):
+        n = rng.choice([1, 2, 3, 8, 17, 32])
+        if rng.random() < 0.1:
+            policy.record_shadow(n, rng.uniform(1, 5))
+            continue
+        chains = policy.speculate(n, explore=rng.random() < 0.95)
+        cost = rng.uniform(0.01, 0.03) * (n + 4) * (rng.uniform(1.2, 3.0) if chains else 1.0)
+        policy.record(n, chains, cost, n * (rng.randint(1, 4) if chains else 1))
+        for b in {bucket_of(m) for m in (1, 2, 3, 8, 17, 32)}:
+            assert policy.winner(b) == policy._judge(b), b
+            assert policy.probe_interval(b) == policy._interval(b), b
