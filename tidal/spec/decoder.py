@@ -294,14 +294,16 @@ class SpecDecoder:
         tokens committed): only steps without prefill work inform the policy."""
         if self.policy is None or any(n > 1 for b, n in enumerate(batch.query_lens) if b not in batch.drafts):
             return
-        # A step whose drafts were cut whole by the confidence cut (nothing sure enough to verify,
-        # as at 32 sequences) is a speculative step: it paid for drafting, and counted as plain it
-        # kept the policy exploring chains that never came, drafting in every step. (A drafter with
-        # no guess, NGRAM without a match, did next to no work: that step stays plain.)
-        speculated = self._cut_all or bool(batch.drafts)
+        # Above one sequence, a step whose drafts were cut whole by the confidence cut (nothing sure
+        # enough to verify, as at 32 sequences) is a speculative step: it paid for drafting, and
+        # counted as plain it kept the policy exploring chains that never came, drafting in every
+        # step. (A drafter with no guess, NGRAM without a match, did next to no work: that step
+        # stays plain; so does a lone sequence's, whose accounting is left as it was.)
+        n = decoding_count(batch)
+        speculated = bool(batch.drafts) or (self._cut_all and n > 1)
         if not speculated:
             self._plain_seconds = seconds
-        self.policy.record(decoding_count(batch), speculated, seconds, tokens)
+        self.policy.record(n, speculated, seconds, tokens)
 
     def accept(self, req: Request, draft: Draft, logits: torch.Tensor) -> list[SampleResult]:
         """The committed tokens of ``req``'s chain (logits [m, V] of its positions)."""
