@@ -76,19 +76,14 @@ def chat(url: str, content: str) -> str:
 
 def test_chat_replies_held_to_the_skeleton_speculate_and_answer_like_the_plain_one(servers):
     """Chat replies with no tools declared are held to the reply skeleton grammar; the speculative
-    servers draft for them too (more chains after the requests) and answer with the plain text."""
+    servers answer them with the plain server's text. (Whether these two requests' steps draft is the
+    adaptive policy's call from measured step times, which may have judged chains lost at two
+    sequences earlier in the module; that held requests draft and verify chains is tested offline with
+    the policy fixed: tests/test_spec_grammar.py.)"""
     asks = ["Write a Python function that reverses a list.", "def fibonacci(n):\n" * 3]
-
-    def drafts(url: str) -> float:
-        metrics = httpx.get(f"{url}/metrics", timeout=10.0).text
-        return float(re.search(r'^tidal:spec_decode_num_drafts_total\{[^}]*\} (\S+)$', metrics, re.M).group(1))
-
-    before = {name: drafts(servers[name]) for name in ("ngram", "dspark")}
     texts = {}
     for name, url in servers.items():
         with ThreadPoolExecutor(len(asks)) as pool:
             texts[name] = list(pool.map(lambda a: chat(url, a), asks))
     assert all(t != "|" for t in texts["none"])
     assert texts["ngram"] == texts["none"] and texts["dspark"] == texts["none"]
-    for name in ("ngram", "dspark"):
-        assert drafts(servers[name]) > before[name], name
