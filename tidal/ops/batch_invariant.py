@@ -48,12 +48,14 @@ def deterministic_mode(on: bool = True) -> Iterator[None]:
     The C kernels' AMX tile path (whose order is not the FMA tiles') follows the mode per thread."""
     before = enabled()
     _mode.on = on
-    amx_thread_off(on)
+    if bool(on) != before:  # every step enters the mode: the C switch only where it changes
+        amx_thread_off(on)
     try:
         yield
     finally:
         _mode.on = before
-        amx_thread_off(before)
+        if bool(on) != before:
+            amx_thread_off(before)
 
 
 def check_available(device: torch.device, dtype: torch.dtype) -> None:

@@ -442,7 +442,7 @@ class DsparkDrafter:
                 return
             slots, positions = [slots[i] for i in keep], [positions[i] for i in keep]
             taps = taps[torch.tensor(keep, dtype=torch.long, device=taps.device)]
-        self.cache.stage_rows(slots, positions, taps)
+        self.cache.stage(slots, positions, taps)
 
     def _project(self, slots: torch.Tensor) -> None:
         """Compute the keys/values of the handed-over positions of ``slots`` not computed yet."""

@@ -60,30 +60,25 @@ class DraftContextCache:
             s = self._slot[request_id] = self._free.pop()
         return s
 
-    def stage(self, slots: torch.Tensor, positions: torch.Tensor, taps: torch.Tensor) -> None:
-        """Rows at ``positions`` [R] of ``slots`` [R] (distinct (slot, position % window) pairs) get
-        the tapped states ``taps`` [R, tap_width]; their keys and values are computed later."""
-        if self._np is not None:
-            self.stage_rows(slots.numpy(), positions.numpy(), taps)
+    def stage(self, slots: torch.Tensor | list[int], positions: torch.Tensor | list[int], taps: torch.Tensor) -> None:
+        """Rows at ``positions`` [R] of ``slots`` [R] (distinct (slot, position % window) pairs; tensors
+        or integers) get the tapped states ``taps`` [R, tap_width]; their keys and values are computed
+        later."""
+        if self._np is not None:  # the CPU: fancy-index assignment through the numpy views
+            positions = np.asarray(positions, dtype=np.int64)
+            rows = np.asarray(slots, dtype=np.int64) * self.window + positions % self.window
+            pos, rows_of_taps, unprojected = self._np
+            pos[rows] = positions
+            rows_of_taps[rows] = taps.detach().to("cpu", torch.float32).numpy()
+            unprojected[rows] = True
             return
+        dev = self.taps.device
+        slots = torch.as_tensor(slots, dtype=torch.long, device=dev)
+        positions = torch.as_tensor(positions, dtype=torch.long, device=dev)
         rows = slots * self.window + positions % self.window
         self.pos.view(-1).index_copy_(0, rows, positions)
-        self.taps.view(-1, self.taps.shape[-1]).index_copy_(0, rows, taps)
+        self.taps.view(-1, self.taps.shape[-1]).index_copy_(0, rows, taps.to(dev, torch.float32))
         self.unprojected.view(-1)[rows] = True
-
-    def stage_rows(self, slots: list[int] | np.ndarray, positions: list[int] | np.ndarray, taps: torch.Tensor) -> None:
-        """:meth:`stage` with the slots and positions as integers (a step's plain decodes)."""
-        if self._np is None:
-            dev = self.taps.device
-            self.stage(torch.as_tensor(slots, dtype=torch.long, device=dev),
-                       torch.as_tensor(positions, dtype=torch.long, device=dev), taps)
-            return
-        positions = np.asarray(positions, dtype=np.int64)
-        rows = np.asarray(slots, dtype=np.int64) * self.window + positions % self.window
-        pos, rows_of_taps, unprojected = self._np
-        pos[rows] = positions
-        rows_of_taps[rows] = taps.detach().to("cpu", torch.float32).numpy()
-        unprojected[rows] = True
 
     def pending(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows of ``slots`` whose keys/values are not computed yet: (flat row indexes [P],

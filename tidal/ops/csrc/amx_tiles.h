@@ -43,8 +43,7 @@ __attribute__((weak)) void tidal_amx_bind(int (*rows)(void)) { tidal_amx_rows_fn
 static inline int amx_least_rows(void) { return tidal_amx_rows_fn != 0 ? tidal_amx_rows_fn() : 0; }
 
 static inline int amx_takes(int64_t M, int64_t K) {
-    if (K % 32 != 0 || tidal_amx_rows_fn == 0) return 0;
-    const int least = tidal_amx_rows_fn();
+    const int least = K % 32 == 0 ? amx_least_rows() : 0;
     return least > 0 && M >= least;
 }
 
