@@ -14,13 +14,17 @@ Drafters (``--algorithms``): NGRAM, and DSPARK with the drafter shipped beside t
 
 Decode tok/s counts the tokens emitted by steps without prefill work and divides by those steps'
 wall time (prefill is the same with and without speculation). The machine is shared and its speed
-swings within a run, so every engine runs once per round, in the order plain, each drafter, a
-second plain engine (``plain2``), reversed in every other round (each engine is as often early as
-late), for ``--repeats`` rounds on the same prompts. A cell's ratio is the median over rounds of
-that round's speculative tok/s over the first plain engine's; ``plain2 / plain`` is the same ratio
-between two identical plain engines: the noise floor of the cell. ``slower`` marks a drafter whose
-median ratio is below 1 by more than the floor's largest deviation from 1 in that cell (slower
-than noise explains).
+swings within a run (by a quarter between runs of a second), so the engines run in lockstep: in a
+round every engine (plain, each drafter, a second plain engine ``plain2``) is given the same
+prompts, and the loop steps each engine with work once, in turn, the order reversed at every turn,
+so all of them decode through the same seconds of the machine; ``--repeats`` rounds on the same
+prompts, after one round that is not counted (``first``: its ratio, shown apart): an engine meets
+each batch size once, and its cost policy explores there at first (tidal.spec.policy), a cost it
+pays once in its life, which a server spreads over hours and a 64-token round over a second. A
+cell's ratio is the median over the counted rounds of that round's speculative tok/s over the first
+plain engine's; ``plain2 / plain`` is the same ratio between two identical plain engines: the noise
+floor of the cell. ``slower`` marks a drafter whose median ratio is below 1 by more than the
+floor's largest deviation from 1 in that cell (slower than noise explains).
 
 ``--trees A B`` compares source trees (e.g. ``main=git:main new=.``) in one command: this script
 runs from each in turn, ``--rounds`` times alternating (:mod:`trees`), and a summary lists each
@@ -90,31 +94,64 @@ def prompts_for(work: str, tok, n: int) -> list[str]:
     return [CHAT[i % len(CHAT)] for i in range(n)]
 
 
-def run(llm: LLM, prompts: list[str], tokens: int) -> tuple[float, int, float | None]:
-    """(decode tok/s, decode tokens, accept length of this run's chains or None)."""
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        enc = llm.tokenizer.encode(p)
-        engine.add_request(f"r{time.monotonic_ns()}_{i}", list(getattr(enc, "ids", enc)), params)
-    spec0 = (engine.spec.metrics.num_chains, engine.spec.metrics.avg_accept_length * engine.spec.metrics.num_chains) \
-        if engine.spec else None
-    decode_s, decode_tokens = 0.0, 0
-    while engine.has_unfinished_requests():
+class Run:
+    """One engine's share of a round: its requests added, then :meth:`step` until :attr:`done`."""
+
+    def __init__(self, llm: LLM, prompts: list[str], tokens: int) -> None:
+        self.engine = engine = llm.engine
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            enc = llm.tokenizer.encode(p)
+            engine.add_request(f"r{time.monotonic_ns()}_{i}", list(getattr(enc, "ids", enc)), params)
+        m = engine.spec.metrics if engine.spec else None
+        self.spec0 = (m.num_chains, m.avg_accept_length * m.num_chains) if m else None
+        self.decode_s, self.decode_tokens = 0.0, 0
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished_requests()
+
+    def step(self) -> None:
+        engine = self.engine
         prefill = any(r.num_uncomputed > 1 for r in engine.scheduler.running) or bool(engine.scheduler.waiting)
         before = engine.metrics().generation_tokens
         t = time.perf_counter()
         engine.step()
         dt = time.perf_counter() - t
         if not prefill:
-            decode_s += dt
-            decode_tokens += engine.metrics().generation_tokens - before
-    accept = None
-    if engine.spec is not None:
-        m = engine.spec.metrics
-        chains = m.num_chains - spec0[0]
-        accept = (m.avg_accept_length * m.num_chains - spec0[1]) / chains if chains else None
-    return decode_tokens / decode_s if decode_s else 0.0, decode_tokens, accept
+            self.decode_s += dt
+            self.decode_tokens += engine.metrics().generation_tokens - before
+
+    def result(self) -> tuple[float, int, float | None]:
+        """(decode tok/s, decode tokens, accept length of this run's chains or None)."""
+        accept = None
+        if self.spec0 is not None:
+            m = self.engine.spec.metrics
+            chains = m.num_chains - self.spec0[0]
+            accept = (m.avg_accept_length * m.num_chains - self.spec0[1]) / chains if chains else None
+        return (self.decode_tokens / self.decode_s if self.decode_s else 0.0, self.decode_tokens, accept)
+
+
+def run(llm: LLM, prompts: list[str], tokens: int) -> tuple[float, int, float | None]:
+    """One engine alone: (decode tok/s, decode tokens, accept length of this run's chains or None)."""
+    one = Run(llm, prompts, tokens)
+    while not one.done:
+        one.step()
+    return one.result()
+
+
+def lockstep(engines: dict[str, LLM], prompts: list[str], tokens: int) -> dict[str, tuple]:
+    """Every engine on the same prompts, stepped one step each in turn (the order reversed at every
+    turn) until all finish: each engine's :func:`run` result, measured through the same seconds."""
+    runs = {name: Run(llm, prompts, tokens) for name, llm in engines.items()}
+    turn = 0
+    while not all(r.done for r in runs.values()):
+        order = list(runs.values()) if turn % 2 == 0 else list(runs.values())[::-1]
+        for r in order:
+            if not r.done:
+                r.step()
+        turn += 1
+    return {name: r.result() for name, r in runs.items()}
 
 
 def main() -> None:
@@ -123,7 +160,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=None, help="speculative_num_draft_tokens (default: the engine's)")
     ap.add_argument("--dspark-k", type=int, default=None, help="DSPARK's block size (default: --k, else the engine's)")
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per request")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--repeats", type=int, default=3, help="lockstep rounds")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workloads", nargs="+", default=["repeat", "chat", "code"])
     ap.add_argument("--replay", action="store_true", help="--enable-linear-replayssm-spec")
@@ -148,19 +185,19 @@ def main() -> None:
     cfg = engines[args.algorithms[0]].engine.spec.config
     ks = ", ".join(f"{a} k={engines[a].engine.spec.config.num_draft_tokens}" for a in args.algorithms)
     print(f"embedded model, float32, {args.threads} thread(s), {ks}, rollback {cfg.rollback}, speculation "
-          f"{'adaptive (tidal.spec.policy)' if cfg.adaptive else 'always'}, {args.repeats} interleaved rounds, "
+          f"{'adaptive (tidal.spec.policy)' if cfg.adaptive else 'always'}, {args.repeats} lockstep rounds, "
           f"{args.tokens} tokens; load average {os.getloadavg()[0]:.1f}")
     print(f"{'workload':9} {'drafter':8} {'conc':>4} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} "
-          f"{'rounds':>11} {'accept len':>10} {'plain2/plain':>17} {'':6} {'load':>5}")
+          f"{'rounds':>11} {'accept len':>10} {'plain2/plain':>17} {'':6} {'first':>5} {'load':>5}")
     for work in args.workloads:
         for conc in args.concurrency:
             prompts = prompts_for(work, engines["plain"].tokenizer, conc)
-            for llm in engines.values():
-                run(llm, prompts[:1], 4)  # warm-up
+            first = lockstep(engines, prompts, args.tokens)  # not counted (see the module docstring)
             got = round_robin(engines, prompts, args.tokens, args.repeats)
             floor = ratios(got["plain2"], got["plain"])
             for algo in args.algorithms:
-                print(cell(work, algo, conc, got[algo], got["plain"], floor), flush=True)
+                print(cell(work, algo, conc, got[algo], got["plain"], floor, first[algo][0] / first["plain"][0]),
+                      flush=True)
 
 
 def summary(lines: dict[str, list[str]], workloads: list[str]) -> None:
@@ -173,13 +210,12 @@ def summary(lines: dict[str, list[str]], workloads: list[str]) -> None:
 
 
 def round_robin(engines: dict[str, LLM], prompts: list[str], tokens: int, rounds: int) -> dict[str, list]:
-    """Each engine's :func:`run` results, one per round; the engines run in their order, reversed
-    in every other round. Keyed as ``engines``, plain engines ("plain", "plain2") included."""
-    names = list(engines)
-    got: dict[str, list] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            got[name].append(run(engines[name], prompts, tokens))
+    """Each engine's :func:`run` results, one per round of :func:`lockstep`. Keyed as ``engines``,
+    plain engines ("plain", "plain2") included."""
+    got: dict[str, list] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, result in lockstep(engines, prompts, tokens).items():
+            got[name].append(result)
     return got
 
 
@@ -193,8 +229,9 @@ def slower_than_noise(ratio: float, floor: list[float]) -> bool:
     return ratio < 1.0 - max(abs(1.0 - f) for f in floor)
 
 
-def cell(work: str, algo: str, conc: int, rounds: list, plain: list, floor: list[float]) -> str:
-    """One row: medians over the rounds, the per-round ratio's range, the noise floor's."""
+def cell(work: str, algo: str, conc: int, rounds: list, plain: list, floor: list[float], first: float) -> str:
+    """One row: medians over the rounds, the per-round ratio's range, the noise floor's, and the
+    ratio of the uncounted ``first`` round."""
     got = ratios(rounds, plain)
     ratio = statistics.median(got)
     accepts = [r[2] for r in rounds if r[2] is not None]
@@ -203,7 +240,7 @@ def cell(work: str, algo: str, conc: int, rounds: list, plain: list, floor: list
     return (f"{work:9} {algo:8} {conc:>4} {statistics.median(r[0] for r in plain):>12.1f} "
             f"{statistics.median(r[0] for r in rounds):>11.1f} {ratio:>6.2f} {min(got):>5.2f}-{max(got):<5.2f} "
             f"{accept:>10} {noise:>17} {'slower' if slower_than_noise(ratio, floor) else '':6} "
-            f"{os.getloadavg()[0]:>5.1f}")
+            f"{first:>5.2f} {os.getloadavg()[0]:>5.1f}")
 
 
 if __name__ == "__main__":

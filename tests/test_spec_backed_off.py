@@ -1,6 +1,6 @@
 """A speculating engine whose policy has turned chains off (tidal.spec.context_gaps, the shadow
 drafts of tidal.spec.decoder, tidal.spec.policy): its plain steps do almost nothing speculative.
-Where chains lost, shadow drafts grow rare and most steps hand the DSPARK drafter no hidden
+Where chains lost, the DSPARK drafter makes no shadow drafts and most steps hand it no hidden
 states; every draft made afterwards (chains resuming as announced, or at once) reads a whole
 context window, and greedy output equals plain decoding throughout."""
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from tidal import SamplingParams
-from tidal.spec.decoder import LOST_SHADOW_OVERHEAD, MAX_SHADOW_EVERY, shadow_interval
 from tidal.spec.policy import CostPolicy
 
 from test_dspark import PROMPTS, dspark, model, trained  # noqa: F401 - fixtures
@@ -89,17 +88,6 @@ def test_drafts_after_untapped_steps_read_whole_windows_and_output_stays_greedy(
     assert engine.spec.metrics.num_accepted_tokens > 0
 
 
-def test_lost_buckets_shadow_ever_rarer_within_their_budget():
-    """A hidden-state drafter's shadows where chains lost above one sequence: the gap keeps doubling
-    up to MAX_SHADOW_EVERY and never drops below what keeps a draft within LOST_SHADOW_OVERHEAD of
-    the steps."""
-    gaps = [shadow_interval(32, 0.001, 0.020, nth, rarer=True) for nth in range(8)]
-    assert gaps == [32, 64, 128, 256, 512, 1024, 1024, 1024], gaps
-    assert shadow_interval(32, 0.004, 0.020, 0, rarer=True) == pytest.approx(0.004 / (LOST_SHADOW_OVERHEAD * 0.020), abs=1)
-    assert shadow_interval(32, 0.004, 0.020, 3) == 32  # otherwise (NGRAM, or chains not lost): as before
-    assert MAX_SHADOW_EVERY >= 1024
-
-
 def test_steps_before_probe_counts_down_to_the_probe():
     """At steady costs, a bucket where chains lost says how many plain steps come before its next
     probe, and the probe comes exactly then; a probe that could not draft (defer_probe) is tried
@@ -122,13 +110,29 @@ def test_steps_before_probe_counts_down_to_the_probe():
     assert policy.steps_before_probe(32) > 100 and policy.speculate(32) is False
 
 
+def test_a_bucket_above_a_lost_one_counts_as_lost_before_it_measured_chains():
+    """Chains are not tried first above a bucket where they lost; such a bucket counts as lost
+    (no shadow drafts, no taps far from a probe) from its first steps, not only once a probe there
+    measured chains (a batch that grew from 8 to 32 sequences tapped every step)."""
+    policy = CostPolicy()
+    for _ in range(12):
+        chains = policy.speculate(8)
+        policy.record(8, chains, 0.3 if chains else 0.07, 12 if chains else 8)
+    assert policy.chains_lost(8) and policy.chains_lost(32) and not policy.chains_lost(4)  # nothing measured at 32
+    for _ in range(policy.min_samples + 1):
+        assert policy.speculate(32) is False
+        policy.record(32, False, 0.2, 32)
+    assert policy.winner(32) is None and policy.chains_lost(32) and not policy.chains_lost(1)
+    assert policy.steps_before_probe(32) > 100
+
+
 def test_the_embedded_engine_at_32_sequences_backs_off_to_nearly_plain_steps():
     """The embedded model with its DSPARK drafter and the engine's own policy, 32 sequences for
     384 tokens: chains lose at 32, decided after a few drafting steps (a step whose drafts were
     all cut counts as one: counted as plain, it left the policy drafting at every step), and then
-    shadow drafts come ever rarer (one every 32 steps before: 12 in such a run) and most plain
-    steps tap nothing; the requests' output equals their plain decoding (compared for 4 of them:
-    greedy output does not depend on the batch)."""
+    no shadow drafts are made at 32 (one every 32 steps before: 12 in such a run) and the plain
+    steps tap nothing until two windows before the next probe; the requests' output equals their
+    plain decoding (compared for 4 of them: greedy output does not depend on the batch)."""
     from tidal import LLM
     from tidal.embedded import embedded_model_dir
 
@@ -141,16 +145,21 @@ def test_the_embedded_engine_at_32_sequences_backs_off_to_nearly_plain_steps():
     params = SamplingParams(temperature=0, max_tokens=384, ignore_eos=True)
     jobs = [(0, str(i), p, params) for i, p in enumerate(prompts)]
     drafter = engine.spec.drafter
-    calls = []
-    drafter.propose_many = lambda asks, least=0.0, _f=drafter.propose_many: calls.append(len(asks)) or _f(asks, least)
     engine.plan_recorder = []
+    calls = []  # (requests asked, plans recorded before the step)
+    drafter.propose_many = lambda asks, least=0.0, _f=drafter.propose_many: \
+        calls.append((len(asks), len(engine.plan_recorder))) or _f(asks, least)
     got = outputs(drive(engine, jobs))
     at32 = [p for p in engine.plan_recorder if len(p.query_lens) == 32 and all(q == 1 for q in p.query_lens)]
-    assert engine.spec.policy.chains_lost(32)
+    policy = engine.spec.policy
+    assert policy.chains_lost(32)
     # drafting steps: exploring (the first is not kept; with every draft cut a step still counts)
-    assert sum(1 for c in calls if c > 1) <= 4, calls
-    assert sum(1 for c in calls if c == 1) <= 5, calls  # shadow drafts
+    assert sum(1 for c, _ in calls if c > 1) <= 4, calls
+    lost_at = min(i for i, p in enumerate(engine.plan_recorder) if len(p.query_lens) == 32 and not p.tap_layers)
+    assert not [c for c, at in calls if c == 1 and lost_at <= at < len(engine.plan_recorder) - 40], calls  # no shadows
     untapped = sum(1 for p in at32 if not p.tap_layers)
-    assert len(at32) >= 350 and untapped >= 0.35 * len(at32), (untapped, len(at32))
+    # tapped after the decision: only the two windows before each probe (and before the next one)
+    probes = [at for c, at in calls if c > 1 and at > lost_at]
+    assert len(at32) >= 350 and untapped >= len(at32) - lost_at - (2 * engine.spec.tap_window + 2) * (len(probes) + 1)
     plain = LLM(embedded_model_dir(), **kw).engine
     assert outputs(drive(plain, jobs[:4])) == {k: got[k] for k in ("0", "1", "2", "3")}

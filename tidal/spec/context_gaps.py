@@ -3,14 +3,14 @@
 The drafter reads, for a request of n tokens, the target's tapped hidden states at its committed
 positions n-1-window .. n-2 (its context). Keeping them costs every step a gather of the taps in
 the forward and a copy into the drafter's cache, also in steps that do not speculate. Where the
-cost policy has decided chains lose (a compute-bound batch), no shadow draft is due within a
-window of steps and no probe within two, a decode-only step asks for no taps
+cost policy has decided chains lose (a compute-bound batch; no shadow drafts there) and no probe
+is due within two windows of steps, a decode-only step asks for no taps
 (:meth:`SpecDecoder.plan_taps`), and each of its requests records the position it left out. A request drafts (in a
 chain or a shadow) only once its whole window lies past its last gap (``window`` tapped steps
 later), so every draft reads exactly the context it would have read had every step been tapped:
 drafts, and with them the chains and their acceptance, are those of an engine that always taps.
 The price is that a request resumes drafting up to ``window`` steps after chains turn back on in
-its bucket (a probe or a shadow is scheduled further out than that, so neither waits).
+its bucket (a probe is scheduled further out than that, so it does not wait).
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@
    corrected by how often the target reached such positions lately (:mod:`tidal.spec.calibration`).
    A request held to a plain grammar has its draft cut before the first token the grammar
    rejects, and keeps each chain position's mask for its verify (:mod:`tidal.spec.grammar_draft`).
-   Where the policy has decided chains lose, plain steps do next to nothing speculative: shadow
-   drafts grow rare, and steps far from the next draft ask the forward for no hidden states for
-   the drafter (:mod:`tidal.spec.context_gaps`).
+   Where the policy has decided chains lose, plain steps do next to nothing speculative: a
+   hidden-state drafter makes no shadow drafts there, and steps far from the next probe ask the
+   forward for no hidden states for the drafter (:mod:`tidal.spec.context_gaps`).
 2. The step plan carries each chain's state slots (:meth:`ChainMemory.slots`); the worker's
    runner runs chains with the decode numerics (:mod:`tidal.spec.verify`) beside the
    step's decodes and prefills, and returns every chain position's logits.
@@ -56,15 +56,12 @@ from tidal.spec.rollback import ChainMemory
 # drafts never pay costs a few percent.
 SHADOW_EVERY = 4
 SHADOW_OVERHEAD = 0.03
-# A drafter reading the target's hidden states (DSPARK) costs more per shadow: the draft itself,
-# and the window of steps before it that must hand the drafter their taps (tidal.spec.context_gaps).
-# Above one sequence, in a bucket where chains lost (CostPolicy.chains_lost), its shadows keep
-# doubling past the budget, up to MAX_SHADOW_EVERY steps, and are never more often than keeps their
-# drafts within LOST_SHADOW_OVERHEAD of the steps (the probes' budget there): when the batch is
-# compute-bound the text rarely turns chains back on, and the probes' chains measure its acceptance
-# for every sequence. (An NGRAM shadow costs next to nothing and stays frequent.)
-LOST_SHADOW_OVERHEAD = 0.0025
-MAX_SHADOW_EVERY = 1024
+# A drafter reading the target's hidden states (DSPARK) makes no shadow drafts above one sequence
+# in a bucket where chains lost (CostPolicy.chains_lost): a shadow there costs the draft and the
+# window of steps before it that must hand the drafter their taps (tidal.spec.context_gaps), a few
+# percent of the steps at the rarest schedule a run of requests allows, while the batch is
+# compute-bound and the text rarely turns chains back on; the probes' chains measure the
+# acceptance of every sequence. (An NGRAM shadow costs next to nothing and stays frequent.)
 
 
 def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype, device: torch.device,
@@ -92,17 +89,11 @@ def make_drafter(config: SpeculativeConfig, vocab_size: int, dtype: torch.dtype,
     raise ValueError(f"speculative_algorithm {config.algorithm} is not implemented")
 
 
-def shadow_interval(num_decodes: int, draft_seconds: float, step_seconds: float, nth: int = 0,
-                    rarer: bool = False) -> int:
+def shadow_interval(num_decodes: int, draft_seconds: float, step_seconds: float, nth: int = 0) -> int:
     """Plain steps from a plain stretch's ``nth`` shadow draft (0: its first) to the next:
     SHADOW_EVERY or one a sequence, doubled ``nth`` times, at most as many as keep a draft of
-    ``draft_seconds`` within SHADOW_OVERHEAD of steps of ``step_seconds`` (0: not measured yet);
-    ``rarer`` (a hidden-state drafter where chains lost, see LOST_SHADOW_OVERHEAD): doubled up to
-    MAX_SHADOW_EVERY, at least as many as keep a draft within LOST_SHADOW_OVERHEAD."""
+    ``draft_seconds`` within SHADOW_OVERHEAD of steps of ``step_seconds`` (0: not measured yet)."""
     least = max(SHADOW_EVERY, num_decodes)
-    if rarer:
-        rare = math.ceil(draft_seconds / (LOST_SHADOW_OVERHEAD * step_seconds)) if step_seconds > 0 else 0
-        return min(MAX_SHADOW_EVERY, max(least << min(nth, 20), rare))
     rare = math.ceil(draft_seconds / (SHADOW_OVERHEAD * step_seconds)) if step_seconds > 0 else 0
     return max(least, min(least << min(nth, 20), rare))
 
@@ -128,6 +119,7 @@ class SpecDecoder:
         self.gaps = ContextGaps(self.tap_window)
         self._tapping = True  # whether the step being built asks for the taps (plan_taps)
         self._cut_all = False  # whether a draft of the step being built was cut whole by confidence
+        self._prefill, self._decodes = False, 0  # the step being built: prefill work, decoding sequences
         self.memory = ChainMemory(pool, model_config, config.rollback)
         self.metrics = SpecMetrics(config.num_draft_tokens)
         self.policy = CostPolicy() if config.adaptive else None
@@ -156,17 +148,19 @@ class SpecDecoder:
         cfg = self.config
         self._tapping = True
         self._cut_all = False
+        # the step as scheduled, for record_step (chains replace decodes, one for one)
+        self._prefill = prefill = any(n > 1 for n in batch.query_lens)  # before any chain: only prefills are longer
+        self._decodes = num_decodes = decoding_count(batch)
         if cfg.max_spec_batch and len(batch.requests) > cfg.max_spec_batch:
             return
         if self.policy is not None:
             self._score_shadows()
-            prefill = any(n > 1 for n in batch.query_lens)  # before any chain: only prefills are longer
-            if not self.policy.speculate(decoding_count(batch), explore=not prefill):
-                self._shadow(batch)
+            if not self.policy.speculate(num_decodes, explore=not prefill):
+                self._shadow(batch, num_decodes)
                 if self.tap_layers and not prefill:
-                    self._skip_taps(batch)
+                    self._skip_taps(batch, num_decodes)
                 return
-            self._stretch_shadows.pop(bucket_of(decoding_count(batch)), None)
+            self._stretch_shadows.pop(bucket_of(num_decodes), None)
         asks, where, waiting = [], [], False
         for i, (req, n, c) in enumerate(zip(batch.requests, batch.query_lens, batch.cached_lens)):
             if budget <= 0:
@@ -185,8 +179,8 @@ class SpecDecoder:
             where.append((i, req, c, k))
             budget -= k
         if waiting and not asks and self.policy is not None:  # a probe that came before the taps did
-            self.policy.defer_probe(decoding_count(batch))
-        least = self.policy.min_confidence(decoding_count(batch)) if self.policy is not None else 0.0
+            self.policy.defer_probe(num_decodes)
+        least = self.policy.min_confidence(num_decodes) if self.policy is not None else 0.0
         drafts = propose_all(self.drafter, asks, least) if asks else []
         for (i, req, c, k), draft in zip(where, drafts):
             if draft is None:
@@ -219,17 +213,17 @@ class SpecDecoder:
         if batch.drafts:
             batch.chain_memory = self.memory
 
-    def _shadow(self, batch) -> None:
-        """Now and then (SHADOW_EVERY) in a plain step, draft for one decoding request (in turn)
-        without verifying; :meth:`_score_shadows` counts what the target then produced."""
+    def _shadow(self, batch, n: int) -> None:
+        """Now and then (SHADOW_EVERY) in a plain step of ``n`` decoding sequences, draft for one
+        decoding request (in turn) without verifying; :meth:`_score_shadows` counts what the target
+        then produced."""
         self._plain_steps += 1
         if self._plain_steps < self._next_shadow:
             return
-        n = decoding_count(batch)
+        if self.tap_layers and self.policy.chains_lost(n):
+            return  # none here (see above); one is due as soon as the batch leaves the bucket
         nth = self._stretch_shadows.get(bucket_of(n), 0)
-        rarer = bool(self.tap_layers) and self.policy.chains_lost(n)
-        self._next_shadow = self._plain_steps + shadow_interval(n, self._shadow_seconds, self._plain_seconds, nth,
-                                                                rarer)
+        self._next_shadow = self._plain_steps + shadow_interval(n, self._shadow_seconds, self._plain_seconds, nth)
         self._stretch_shadows[bucket_of(n)] = nth + 1
         cands = [r for r, q, c in zip(batch.requests, batch.query_lens, batch.cached_lens)
                  if q == 1 and c == r.num_tokens - 1 and (r.constraint is None or speculable(r.constraint))
@@ -257,13 +251,12 @@ class SpecDecoder:
         self._shadows[req.request_id] = (req, req.num_tokens, list(raw), n,
                                          min(len(raw), self.calibration.prefix(draft, least)), reach)
 
-    def _skip_taps(self, batch) -> None:
-        """A decode-only plain step asks for no taps where chains lost, the next shadow draft is
-        more than a window of plain steps away and the next probe more than two (its distance
-        follows the estimates) (:mod:`tidal.spec.context_gaps`)."""
+    def _skip_taps(self, batch, n: int) -> None:
+        """A decode-only plain step asks for no taps where chains lost (no shadow drafts there) and
+        the next probe is more than two windows of steps away (its distance follows the estimates)
+        (:mod:`tidal.spec.context_gaps`)."""
         w = self.tap_window
-        n = decoding_count(batch)
-        if self._next_shadow - self._plain_steps <= w or self.policy.steps_before_probe(n) <= 2 * w:
+        if self.policy.steps_before_probe(n) <= 2 * w:  # (0 where chains did not lose)
             return
         self._tapping = False
         self.gaps.skip(batch.requests, batch.cached_lens)
@@ -292,14 +285,14 @@ class SpecDecoder:
     def record_step(self, batch, seconds: float, tokens: int) -> None:
         """The engine's measurement of a step (``seconds`` from before :meth:`extend` to its
         tokens committed): only steps without prefill work inform the policy."""
-        if self.policy is None or any(n > 1 for b, n in enumerate(batch.query_lens) if b not in batch.drafts):
+        if self.policy is None or self._prefill:
             return
         # Above one sequence, a step whose drafts were cut whole by the confidence cut (nothing sure
         # enough to verify, as at 32 sequences) is a speculative step: it paid for drafting, and
         # counted as plain it kept the policy exploring chains that never came, drafting in every
         # step. (A drafter with no guess, NGRAM without a match, did next to no work: that step
         # stays plain; so does a lone sequence's, whose accounting is left as it was.)
-        n = decoding_count(batch)
+        n = self._decodes
         speculated = bool(batch.drafts) or (self._cut_all and n > 1)
         if not speculated:
             self._plain_seconds = seconds

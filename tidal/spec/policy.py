@@ -248,9 +248,13 @@ class CostPolicy:
 
     def chains_lost(self, num_decodes: int) -> bool:
         """Whether chains lost in the bucket of a step of ``num_decodes`` (> 1) sequences, as last
-        judged (a lone sequence's bucket never counts: its chains are the cheapest)."""
+        judged, or, in a bucket not judged yet, in one below it (where they are not tried first; a
+        lone sequence's bucket never counts: its chains are the cheapest)."""
         b = bucket_of(num_decodes)
-        return b > 1 and self._last.get(b) is False
+        if b == 1:
+            return False
+        last = self._last.get(b)
+        return last is False or (last is None and self._lost_below(b) is not None)
 
     def steps_before_probe(self, num_decodes: int) -> int:
         """How many of the next steps of ``num_decodes`` (> 1) sequences will decode plainly, at
