@@ -392,8 +392,9 @@ def test_counted_memory_is_what_the_drafter_holds(model, tmp_path, bf16_head):
     seq = random_prompts(27, 1, 20)[0]
     d.observe("r", 0, tap_forward(model, [seq], TAPS)[0][:-1])
     assert d.propose("r", seq, BLOCK) is not None
+    # derived_weight keeps (key, value, epoch) on its owner
     copies = [v[1] for owner in (d, *d.model.modules()) for k, v in vars(owner).items()
-              if k.startswith("_") and isinstance(v, tuple) and len(v) == 2 and isinstance(v[1], torch.Tensor)]
+              if k.startswith("_") and isinstance(v, tuple) and len(v) == 3 and isinstance(v[1], torch.Tensor)]
     cache = [t for t in vars(d.cache).values() if isinstance(t, torch.Tensor)]
     twin = dense.bf16_twin(model.lm_head.weight)
     assert (twin is not None) == bf16_head and ("_lm_head" in vars(d)) == (not bf16_head)

@@ -10,6 +10,7 @@ from tidal.engine.plan import ImageSpan, StepPlan
 from tidal.engine.request import ImageItem
 from tidal.model.context import ForwardBatch
 from tidal.model.kimi import KimiForCausalLM
+from tidal.model.layers import frozen_weights, weights_epoch
 from tidal.multimodal.encoder_cache import EncoderCache
 from tidal.ops import batch_invariant
 from tidal.spec.rollback import SWAP, ReplayWindow
@@ -31,6 +32,7 @@ class ModelRunner:
         self.encoder_cache = encoder_cache if encoder_cache is not None else EncoderCache(0)
         self.device = next(model.parameters()).device
         model.process_weights_after_loading()
+        self.weights_epoch = weights_epoch()  # the weights are final from here (see frozen_weights)
         self.last_taps: torch.Tensor | None = None  # the last plan's tapped hidden states (tap_rows)
         self.graphs: DecodeGraphs | None = None
         if cuda_graph and self.device.type == "cuda" and cuda_graph_max_bs > 0:
@@ -40,7 +42,7 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> torch.Tensor | None:
         """:meth:`run_step`, in deterministic mode when the engine asks for it."""
-        with batch_invariant.deterministic_mode(self.deterministic):
+        with batch_invariant.deterministic_mode(self.deterministic), frozen_weights(self.weights_epoch):
             return self.run_step(plan)
 
     @torch.inference_mode()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidal.model.layers import compute_dtype, derived_weight
+from tidal.model.layers import compute_dtype, derived_weight, trusted_derived
 from tidal.ops import batch_invariant, fused_decode
 
 
@@ -70,12 +70,14 @@ def attn_res_glue(
     None), ``a = attn_res(s, blocks)`` with the weights registered on owner under ``prefix``, and
     the next sub-layer's input norm(a) -> (s, a, norm(a)). One C call where the kernels take the
     rows (fewer Python calls per sub-layer of a decode step), with the bits of the three ops."""
-    weight, proj = getattr(owner, f"{prefix}_norm").weight, getattr(owner, f"{prefix}_proj").weight
-    query = _query(owner, prefix, weight, proj)
+    query = trusted_derived(owner, f"_{prefix}_query")
+    if query is None:
+        query = _query(owner, prefix, getattr(owner, f"{prefix}_norm").weight, getattr(owner, f"{prefix}_proj").weight)
     if query is not None:
         fused = fused_decode.attn_res_glue(partial, add, blocks, block_cache, query, eps, norm.weight, norm.eps)
         if fused is not None:
             return fused
+    weight, proj = getattr(owner, f"{prefix}_norm").weight, getattr(owner, f"{prefix}_proj").weight
     total = partial if add is None else partial + add
     a = attn_res(total, blocks, weight, proj, eps, block_cache, query)
     return total, a, norm(a)

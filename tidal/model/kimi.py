@@ -12,6 +12,7 @@ from tidal.model.kda import KimiDeltaAttention
 from tidal.model.layers import Embedding, RMSNorm, compute_dtype, inference_layout, linear
 from tidal.model.mla import KimiMLA
 from tidal.model.moe import KimiMLP, KimiMoE
+from tidal.ops.fused_decode import BlockCache
 from tidal.model.vision.tower import MoonViT, PatchMergerProjector
 
 # Parameters kept in float32 (float64 in a float64 model) whatever the model dtype.
@@ -88,7 +89,7 @@ class KimiModel(nn.Module):
         eps = self.config.rms_norm_eps
         size = self.config.attn_res_block_size
         blocks: list[torch.Tensor] = []
-        block_cache: list[torch.Tensor] = []  # what a kernel computes once per completed block
+        block_cache = BlockCache()  # what a kernel computes once per completed block
         partial: torch.Tensor | None = h
         add: torch.Tensor | None = None  # the last sub-layer's output, not yet in partial
         for i, layer in enumerate(self.layers):

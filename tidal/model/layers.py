@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+import itertools
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator, TypeVar
 
 import torch
 from torch import nn
@@ -77,23 +80,60 @@ def linear(in_features: int, out_features: int) -> nn.Linear:
 Derived = TypeVar("Derived")
 
 
+class _Frozen(threading.local):
+    epoch = 0  # while nonzero: the weights frozen under this epoch (see frozen_weights)
+
+
+_frozen = _Frozen()
+_epochs = itertools.count(1)
+
+
+def weights_epoch() -> int:
+    """A new epoch for :func:`frozen_weights` (one per model runner)."""
+    return next(_epochs)
+
+
+@contextmanager
+def frozen_weights(epoch: int) -> Iterator[None]:
+    """Within the block the model's weights do not change (a model runner's steps: an engine's
+    weights are final once loaded, and tidal writes them nowhere else): a derived weight checked
+    once under ``epoch`` is then used without its key check (:func:`trusted_derived`), which cost a
+    few percent of a batch-1 decode step (a key of a dozen parameters per layer, every step)."""
+    before, _frozen.epoch = _frozen.epoch, epoch
+    try:
+        yield
+    finally:
+        _frozen.epoch = before
+
+
+def trusted_derived(owner: nn.Module, name: str):
+    """What :func:`derived_weight` keeps on ``owner`` under ``name``, without its key check, within
+    :func:`frozen_weights` where it was checked under the same epoch; else None (check it)."""
+    epoch = _frozen.epoch
+    if epoch:
+        cached = owner.__dict__.get(name)
+        if cached is not None and cached[2] == epoch:
+            return cached[1]
+    return None
+
+
 def derived_weight(owner: nn.Module, name: str, params: tuple[torch.Tensor, ...],
                    make: Callable[[], Derived]) -> Derived:
     """``make()`` (a tensor computed from ``params`` alone, e.g. a concatenation, or a kernel's plan
     of their addresses), kept on ``owner`` under ``name`` until one of the parameters changes
-    (storage, dtype, shape or an in-place write)."""
-    key = tuple((p.data_ptr(), p.dtype, p.shape, _version(p)) for p in params)
+    (storage, dtype, shape or an in-place write; within :func:`frozen_weights` checked once)."""
+    epoch = _frozen.epoch
     cached = owner.__dict__.get(name)
+    if epoch and cached is not None and cached[2] == epoch:
+        return cached[1]
+    key = tuple([(p.data_ptr(), p.dtype, p.shape, -1 if p.is_inference() else p._version) for p in params])
     if cached is None or cached[0] != key:
         with torch.no_grad():
-            cached = (key, make())
-        owner.__dict__[name] = cached
+            cached = (key, make(), epoch)
+    elif cached[2] != epoch:
+        cached = (key, cached[1], epoch)
+    owner.__dict__[name] = cached
     return cached[1]
-
-
-def _version(t: torch.Tensor) -> int:
-    """The in-place write counter (an inference-mode tensor has none: -1)."""
-    return -1 if t.is_inference() else t._version
 
 
 def inference_layout(weight: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from tidal.ops.switches import getenv
+
 from tidal.ops.mxfp4_table import ExpertTable
 
 logger = logging.getLogger("tidal.kernels")
@@ -496,7 +498,7 @@ def fused_decode_enabled() -> bool:
     """``TIDAL_FUSED_DECODE=0`` turns off the fused small-op kernels (RMSNorm, Block AttnRes, the KDA
     layer step: ``tidal.ops.fused_decode``), leaving the torch ops of ``tidal/model``; read at every
     call, so a benchmark can flip it between steps."""
-    return os.environ.get("TIDAL_FUSED_DECODE", "1") != "0"
+    return getenv("TIDAL_FUSED_DECODE", "1") != "0"
 
 
 @cache

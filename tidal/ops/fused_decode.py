@@ -191,27 +191,53 @@ def packed_experts(
     return out
 
 
+MAX_BLOCKS = 64  # blocks (and the partial sum) the AttnRes kernels take
+
+
+class BlockCache(list):
+    """The inverse RMS of each completed block (one [T] float32 tensor per block, in order), kept for
+    one forward pass, with the blocks' row addresses, row strides and those tensors' addresses in
+    the arrays the C kernels take: a block never changes once complete, so each is computed and
+    written once per forward pass, not at each of the ~2 glue calls per layer that read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = (ctypes.c_void_p * MAX_BLOCKS)()
+        self.strides = (ctypes.c_int64 * MAX_BLOCKS)()
+        self.invs = (ctypes.c_void_p * MAX_BLOCKS)()
+
+
 def _blocks_ready(partial: torch.Tensor, blocks: list[torch.Tensor], block_cache: list[torch.Tensor], eps: float,
-                  inv_fn: Callable) -> bool:
-    """Whether the AttnRes kernels take these rows, after computing the inverse RMS of each block not yet
-    in ``block_cache`` (a block never changes once complete: once per block and forward pass). The
-    blocks in the cache were checked when they entered it: only the new ones and the rows are."""
-    new = blocks[len(block_cache):]
-    if not _applies(partial, *new) or not _rows_ok(partial) or len(blocks) + 1 > 64 or any(
-            b.dtype != partial.dtype or not _rows_ok(b) or b.shape != partial.shape for b in new):
+                  inv_fn: Callable, *others: torch.Tensor) -> bool:
+    """Whether the AttnRes kernels take these rows (and ``others``, the call's other tensors), after
+    computing the inverse RMS of each block not yet in ``block_cache`` (a block never changes once
+    complete: once per block and forward pass). The blocks in the cache were checked when they
+    entered it: only the new ones and the rows are."""
+    n = len(block_cache)
+    new = blocks[n:]
+    if not _applies(partial, *others, *new) or not _rows_ok(partial) or len(blocks) + 1 > MAX_BLOCKS:
         return False
     T, D = partial.shape
-    if len(block_cache) > len(blocks) or (block_cache and block_cache[0].shape[0] != T):
+    if n > len(blocks) or (n and block_cache[0].shape[0] != T):
         return False
-    for b in new:
+    if not new:
+        return True
+    if any(b.dtype != partial.dtype or not _rows_ok(b) or b.shape != partial.shape for b in new):
+        return False
+    arrays = isinstance(block_cache, BlockCache)
+    for i, b in enumerate(new, n):
         inv = torch.empty(T, dtype=torch.float32)
         inv_fn(_ptr(b), b.stride(0), T, D, eps, int(partial.dtype == torch.bfloat16), _ptr(inv))
         block_cache.append(inv)
+        if arrays:
+            block_cache.rows[i], block_cache.strides[i], block_cache.invs[i] = _ptr(b), b.stride(0), _ptr(inv)
     return True
 
 
 def _block_arrays(blocks: list[torch.Tensor], block_cache: list[torch.Tensor]) -> tuple[ctypes.Array, ...]:
     """(row addresses, row strides, inverse-RMS addresses) of the blocks, as the C kernels take them."""
+    if isinstance(block_cache, BlockCache):
+        return block_cache.rows, block_cache.strides, block_cache.invs
     n = max(1, len(blocks))
     return ((ctypes.c_void_p * n)(*[_ptr(b) for b in blocks]), (ctypes.c_int64 * n)(*[b.stride(0) for b in blocks]),
             (ctypes.c_void_p * n)(*[_ptr(c) for c in block_cache[: len(blocks)]]))
@@ -245,13 +271,15 @@ def attn_res_glue(
     ``rms_norm(a, norm_weight)`` -> (s, a, the normed rows), each with the bits of its separate call;
     None where one of those would not run in C."""
     fn, fns = attn_res_glue_kernel(), attn_res_kernels()
-    if fn is None or fns is None or not _blocks_ready(partial, blocks, block_cache, eps, fns[1]):
+    if fn is None or fns is None:
+        return None
+    others = (norm_weight,) if add is None else (add, norm_weight)
+    if not _blocks_ready(partial, blocks, block_cache, eps, fns[1], *others):
         return None
     T, D = partial.shape
-    if add is not None and (add.dtype != partial.dtype or add.shape != partial.shape or not _rows_ok(add)
-                            or not _applies(add)):
+    if add is not None and (add.dtype != partial.dtype or add.shape != partial.shape or not _rows_ok(add)):
         return None
-    if not _applies(norm_weight) or not norm_weight.is_contiguous() or norm_weight.numel() != D:
+    if not norm_weight.is_contiguous() or norm_weight.numel() != D:
         return None
     total = torch.empty(T, D, dtype=partial.dtype) if add is not None else partial
     mixed = torch.empty(T, D, dtype=partial.dtype) if blocks else total

@@ -12,6 +12,8 @@ from functools import cache
 
 import torch
 
+from tidal.ops.switches import getenv
+
 
 @cache
 def triton_available() -> bool:
@@ -35,9 +37,7 @@ def next_power_of_2(n: int) -> int:
 def interpreting() -> bool:
     """Under triton's CPU interpreter (TRITON_INTERPRET=1), whose tl.dot on 16-bit operands is wrong
     (it multiplies their bit patterns): kernels then multiply in float32 (see ``dot_dtype``)."""
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return getenv("TRITON_INTERPRET", "0") == "1"
 
 
 def dot_dtype(dtype: torch.dtype):
