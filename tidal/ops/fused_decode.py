@@ -362,6 +362,12 @@ class StepPlan:
         return self.scratch
 
 
+def _plan_ok(plan: StepPlan) -> bool:
+    """A plan's weights were checked (device, dtype, layout) when it was built, and a plan is rebuilt
+    when one changes: only autograd can turn it away."""
+    return not torch.is_grad_enabled() or not any(t.requires_grad for t in plan.tensors)
+
+
 def kda_step_plan(
     in_ws: list[torch.Tensor], f_b: torch.Tensor, g_b: torch.Tensor | None, o_w: torch.Tensor,
     conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
@@ -412,7 +418,7 @@ def kda_layer_step(plan: StepPlan, x: torch.Tensor, conv_state: torch.Tensor, re
     apply (see :func:`kda_layer_decode`)."""
     w = plan.weights
     T = x.shape[0]
-    if (not _applies(x, conv_state, *plan.tensors) or x.dtype != torch.bfloat16 or not _rows_ok(x) or x.shape[1] != w.hidden
+    if (not _applies(x, conv_state) or not _plan_ok(plan) or x.dtype != torch.bfloat16 or not _rows_ok(x) or x.shape[1] != w.hidden
             or slots.shape != (T,) or rec_state.shape[1:3] != (w.heads, w.head_dim)
             or conv_state.shape[2] != 3 * w.heads * w.head_dim or not _kda_states_ok(conv_state, rec_state, w.conv_kernel)):
         return None
@@ -494,7 +500,7 @@ def mlp_step(plan: StepPlan, x: torch.Tensor) -> torch.Tensor | None:
     :func:`gated_activation`, the down product); None where it does not apply: more rows than the
     activation kernel takes, rows that are not bfloat16, batch invariance, the kernels off."""
     w = plan.weights
-    if (not _applies(x, *plan.tensors) or x.dtype != torch.bfloat16 or not _rows_ok(x) or x.shape[1] != w.hidden
+    if (not _applies(x) or not _plan_ok(plan) or x.dtype != torch.bfloat16 or not _rows_ok(x) or x.shape[1] != w.hidden
             or x.shape[0] > FUSED_MAX_ROWS or batch_invariant.enabled()):
         return None
     kernels = mlp_step_kernels()
@@ -571,7 +577,7 @@ def moe_layer_step(plan: StepPlan, x: torch.Tensor) -> torch.Tensor | None:
     invariance, the kernels off."""
     w = plan.weights
     T = x.shape[0]
-    if (not _applies(x, *plan.tensors) or x.dtype != torch.bfloat16 or not _rows_ok(x) or x.shape[1] != w.hidden
+    if (not _applies(x) or not _plan_ok(plan) or x.dtype != torch.bfloat16 or not _rows_ok(x) or x.shape[1] != w.hidden
             or T > FUSED_MAX_ROWS or T * w.top_k > PACKED_EXPERTS_MAX_SLOTS or batch_invariant.enabled()):
         return None
     kernels = moe_layer_step_kernels()
@@ -636,7 +642,7 @@ def mla_layer_step(plan: StepPlan, x: torch.Tensor, pages: torch.Tensor, table: 
     not apply (more rows than the small kernels take, batch invariance, the kernels off)."""
     w = plan.weights
     T = x.shape[0]
-    if (not _applies(x, pages, *plan.tensors) or x.dtype != torch.bfloat16 or pages.dtype != torch.bfloat16
+    if (not _applies(x, pages) or not _plan_ok(plan) or x.dtype != torch.bfloat16 or pages.dtype != torch.bfloat16
             or not _rows_ok(x) or x.shape[1] != w.hidden or T > FUSED_MAX_ROWS or batch_invariant.enabled()
             or pages.dim() != 3 or pages.stride()[1:] != (pages.shape[2], 1) or pages.shape[2] != w.kv_rank + w.rope
             or table.shape[0] != T or lengths.shape != (T,) or write[0].shape != (T,) or write[1].shape != (T,)):
