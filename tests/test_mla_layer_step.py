@@ -121,17 +121,17 @@ CONFIGS = {
 }
 
 
-def count_calls(monkeypatch) -> list[bool]:
-    """Record, for each call of fused_decode.mla_layer_step, whether the one call ran."""
+def count_calls(monkeypatch, name: str = "mla_layer_step") -> list[bool]:
+    """Record, for each call of fused_decode's ``name``, whether the one call ran."""
     calls: list[bool] = []
-    real = fused_decode.mla_layer_step
+    real = getattr(fused_decode, name)
 
     def counted(*args):
         out = real(*args)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(fused_decode, "mla_layer_step", counted)
+    monkeypatch.setattr(fused_decode, name, counted)
     return calls
 
 

@@ -62,6 +62,11 @@ def _query(owner: nn.Module, prefix: str, norm: torch.Tensor, proj: torch.Tensor
                           lambda: (norm.float() * proj.reshape(-1).float()).contiguous())
 
 
+def attn_res_query(owner: nn.Module, prefix: str) -> torch.Tensor | None:
+    """The float32 pseudo-query of the AttnRes registered on owner under ``prefix`` (see _query)."""
+    return _query(owner, prefix, getattr(owner, f"{prefix}_norm").weight, getattr(owner, f"{prefix}_proj").weight)
+
+
 def attn_res_glue(
     owner: nn.Module, prefix: str, partial: torch.Tensor, add: torch.Tensor | None, blocks: list[torch.Tensor],
     eps: float, block_cache: list[torch.Tensor], norm: nn.Module,
@@ -72,7 +77,7 @@ def attn_res_glue(
     rows (fewer Python calls per sub-layer of a decode step), with the bits of the three ops."""
     query = trusted_derived(owner, f"_{prefix}_query")
     if query is None:
-        query = _query(owner, prefix, getattr(owner, f"{prefix}_norm").weight, getattr(owner, f"{prefix}_proj").weight)
+        query = attn_res_query(owner, prefix)
     if query is not None:
         fused = fused_decode.attn_res_glue(partial, add, blocks, block_cache, query, eps, norm.weight, norm.eps)
         if fused is not None:

@@ -128,6 +128,11 @@ class KimiDeltaAttention(nn.Module):
         o = rms_norm(o, self.o_norm.weight, self.config.rms_norm_eps) * torch.sigmoid(gate.view(T, H, K).to(o.dtype))
         return self.o_proj(o.flatten(1).to(x.dtype))
 
+    def decode_step_plan(self) -> fused_decode.StepPlan | None:
+        """The plan of the layer's one-call decode step where it takes one (its projections left
+        apart), else None."""
+        return self._step_plan() if self.in_proj is None else None
+
     def _step_plan(self) -> fused_decode.StepPlan | None:
         """The layer's weights as the one-call decode step takes them (kept while none changes),
         or None where it does not take them (float32 or fused projections, another device)."""

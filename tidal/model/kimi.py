@@ -6,12 +6,14 @@ import torch
 from torch import nn
 
 from tidal.config import ModelConfig
-from tidal.model.attn_res import attn_res_glue, attn_res_params
+from tidal.model.attn_res import attn_res_glue, attn_res_params, attn_res_query
 from tidal.model.context import ForwardBatch
 from tidal.model.kda import KimiDeltaAttention
-from tidal.model.layers import Embedding, RMSNorm, compute_dtype, inference_layout, linear
+from tidal.model.layers import (Embedding, RMSNorm, compute_dtype, derived_weight, inference_layout, linear,
+                                 trusted_derived)
 from tidal.model.mla import KimiMLA
 from tidal.model.moe import KimiMLP, KimiMoE
+from tidal.ops import batch_invariant, fused_decode
 from tidal.ops.fused_decode import BlockCache
 from tidal.model.vision.tower import MoonViT, PatchMergerProjector
 
@@ -74,13 +76,69 @@ class KimiModel(nn.Module):
             positions, embeds = image_embeds
             h[positions] = embeds.to(h.dtype)
         if self.config.attn_res_block_size:
-            return self._forward_attn_res(h, batch)
+            stepped = self._decode_step(h, batch) if image_embeds is None else None
+            return stepped if stepped is not None else self._forward_attn_res(h, batch)
         for i, layer in enumerate(self.layers):
             h = h + layer.attention(h, batch)
             h = h + layer.feed_forward(h)
             if i in batch.tap_layers:
                 batch.taps[i] = h
         return self.norm(h)
+
+    def _decode_step(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """:meth:`_forward_attn_res` of a bfloat16 decode step (one new token per sequence) in one C
+        call over the engine's pool (``fused_decode.model_decode_step``: the layers' one-call steps
+        and the glue between them, with their bits), or None where it does not apply (a layer that
+        does not take its one-call step, taps asked for, another cache, batch invariance)."""
+        if (h.dtype != torch.bfloat16 or not h.is_cpu or h.dim() != 2 or not batch.is_decode or batch.tap_layers
+                or len(batch.decode_seqs) != h.shape[0] or batch_invariant.enabled()
+                or not hasattr(batch.cache, "mla_write_rows")):
+            return None
+        plan = self._model_step_plan()
+        if plan is None:
+            return None
+        cache = batch.cache
+        kda, pages, table, lengths, write = [], [], None, None, None
+        for layer in self.layers:
+            attn = layer.self_attn
+            if isinstance(attn, KimiDeltaAttention):
+                kda.append(cache.kda_storage(attn.kda_index))
+                continue
+            write = cache.mla_write_rows() if write is None else write
+            if write is None:
+                return None
+            layer_pages, table, lengths = cache.mla_pages(attn.mla_index, batch.decode_seqs)
+            pages.append(layer_pages)
+        return fused_decode.model_decode_step(plan, h, batch.decode_slots(h.device), kda, pages, table, lengths, write)
+
+    def _model_step_plan(self) -> fused_decode.ModelStepPlan | None:
+        """The plan of :meth:`_decode_step` (kept while no weight changes), or None where a layer does
+        not take its one-call step."""
+        kept = trusted_derived(self, "_model_step_plan_cached")
+        if kept is None:
+            kept = derived_weight(self, "_model_step_plan_cached", (*self.parameters(), *self.buffers()), self._step_plan)
+        return kept or None  # (False: does not apply)
+
+    def _step_plan(self) -> fused_decode.ModelStepPlan | bool:
+        steps = []
+        for layer in self.layers:
+            attn, ffn = layer.self_attn, layer.ffn
+            attn_plan, ffn_plan = attn.decode_step_plan(), ffn.decode_step_plan()
+            glues = [(attn_res_query(layer, prefix), norm.weight, norm.eps)
+                     for prefix, norm in (("self_attention_res", layer.input_layernorm),
+                                          ("mlp_res", layer.post_attention_layernorm))]
+            if attn_plan is None or ffn_plan is None or any(q is None for q, _, _ in glues):
+                return False
+            steps.append(fused_decode.LayerSteps(
+                attn_plan, fused_decode.KDA if isinstance(attn, KimiDeltaAttention) else fused_decode.MLA,
+                ffn_plan, fused_decode.MOE if isinstance(ffn, KimiMoE) else fused_decode.DENSE_MLP, *glues))
+        query = attn_res_query(self, "output_attn_res")
+        if query is None:
+            return False
+        c = self.config
+        plan = fused_decode.model_step_plan(steps, (query, self.norm.weight, self.norm.eps), c.hidden_size,
+                                            c.attn_res_block_size, c.rms_norm_eps)
+        return plan if plan is not None else False
 
     def _forward_attn_res(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Block AttnRes control flow, spec §4.3: blocks B, partial sum P (None = empty) -> the final

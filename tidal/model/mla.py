@@ -119,6 +119,11 @@ class KimiMLA(nn.Module):
         pages, table, lengths = cache.mla_pages(self.mla_index, batch.decode_seqs)
         return fused_decode.mla_layer_step(plan, x, pages, table, lengths, write)
 
+    def decode_step_plan(self) -> fused_decode.StepPlan | None:
+        """The plan of the layer's one-call decode step where it takes one (all heads and the whole
+        cache on this rank), else None."""
+        return self._step_plan() if self.context_parallel is None else None
+
     def _step_plan(self) -> fused_decode.StepPlan | None:
         """The layer's weights as the one-call decode step takes them (kept while none changes), or None."""
         trusted = trusted_derived(self, "_step_plan_cached")

@@ -90,6 +90,10 @@ class KimiMLP(nn.Module):
         if self.gate_up is None:
             self._gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
+    def decode_step_plan(self) -> fused_decode.StepPlan | None:
+        """The plan of the one-call step where it takes the weights (kept apart), else None."""
+        return self._step_plan() if keeps_apart(self.gate_proj.weight) else None
+
     def _step_plan(self) -> fused_decode.StepPlan | None:
         """The weights as the one-call step takes them (kept while none changes), or None."""
         trusted = trusted_derived(self, "_step_plan_cached")
@@ -568,6 +572,10 @@ class KimiMoE(nn.Module):
             self.routed_expert_up_proj = linear(de, d)
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(de, config.rms_norm_eps)
+
+    def decode_step_plan(self) -> fused_decode.StepPlan | None:
+        """The plan of the layer's one-call decode step (packed experts, all local), else None."""
+        return self._step_plan()
 
     def _step_plan(self) -> fused_decode.StepPlan | None:
         """The layer as the one-call step takes it (kept while no weight changes), or None."""

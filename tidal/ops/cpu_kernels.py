@@ -49,6 +49,8 @@ LIBRARY_SOURCES: dict[str, tuple[str, ...]] = {
     "moe_layer_decode": ("moe_router", "mxfp4_gemm", "mlp_decode", "rms_norm"),
     "mla_layer_decode": ("mla_decode", "rms_norm"),
     "attn_res": ("rms_norm",),
+    "model_decode": ("attn_res", "rms_norm", "kda_layer_decode", "mla_layer_decode", "mla_decode", "moe_layer_decode",
+                     "moe_router", "mxfp4_gemm", "mlp_decode"),
 }
 
 
@@ -707,6 +709,39 @@ def mla_layer_step_kernel() -> Callable | None:
     fn = _function("mla_layer_decode", "mla_layer_step",
                    [ctypes.POINTER(MlaLayerWeights), _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR,
                     _PTR, ctypes.c_int])
+    if fn is not None:
+        fn.restype = ctypes.c_int
+    return fn
+
+
+class GlueWeights(ctypes.Structure):
+    """csrc/model_decode.c's ``struct glue_weights``: an AttnRes pseudo-query and the next norm."""
+
+    _fields_ = [("query", _PTR), ("norm_w", _PTR), ("norm_bf16", _I64), ("norm_eps", ctypes.c_float)]
+
+
+class DecodeLayer(ctypes.Structure):
+    """csrc/model_decode.c's ``struct decode_layer``: one decoder layer's step weights, its AttnRes
+    glue, and its share of the pool's storage."""
+
+    _fields_ = [("attn_kind", _I64), ("attn_w", _PTR), ("attn_scratch", _PTR), ("conv_state", _PTR),
+                ("conv_stride", _I64), ("conv_bf16", _I64), ("rec_state", _PTR), ("rec_stride", _I64),
+                ("pages", _PTR), ("page_stride", _I64), ("page_size", _I64), ("ffn_kind", _I64), ("ffn_w", _PTR),
+                ("ffn_scratch", _PTR), ("attn_glue", GlueWeights), ("ffn_glue", GlueWeights)]
+
+
+class DecodeProgram(ctypes.Structure):
+    """csrc/model_decode.c's ``struct decode_program``: a model's decode step."""
+
+    _fields_ = [("num_layers", _I64), ("hidden", _I64), ("block_size", _I64), ("eps", ctypes.c_float),
+                ("layers", ctypes.POINTER(DecodeLayer)), ("out_glue", GlueWeights)]
+
+
+@cache
+def model_decode_kernel() -> Callable | None:
+    """csrc/model_decode.c's ``model_decode_step`` (a bfloat16 model's decode step in one call), or None."""
+    fn = _function("model_decode", "model_decode_step",
+                   [ctypes.POINTER(DecodeProgram), _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, ctypes.c_int])
     if fn is not None:
         fn.restype = ctypes.c_int
     return fn

@@ -24,6 +24,9 @@ from tidal.ops import batch_invariant
 from tidal.ops.triton import use_triton
 from tidal.ops.mxfp4_table import ExpertTable
 from tidal.ops.cpu_kernels import (
+    DecodeLayer,
+    DecodeProgram,
+    GlueWeights,
     activation_kernel,
     attn_res_glue_kernel,
     attn_res_kernels,
@@ -35,6 +38,7 @@ from tidal.ops.cpu_kernels import (
     kda_layer_step_kernels,
     mla_layer_step_kernel,
     MlaLayerWeights,
+    model_decode_kernel,
     mlp_step_kernels,
     moe_layer_step_kernels,
     MoeLayerWeights,
@@ -409,6 +413,13 @@ def kda_step_plan(
                        torch.empty(per_token, dtype=torch.float32))
 
 
+def _kda_step_states_ok(plan: StepPlan, conv_state: torch.Tensor, rec_state: torch.Tensor) -> bool:
+    """Whether a KDA layer step's plan takes these state tensors (see :func:`kda_layer_decode`)."""
+    w = plan.weights
+    return (rec_state.shape[1:3] == (w.heads, w.head_dim) and conv_state.shape[2] == 3 * w.heads * w.head_dim
+            and _kda_states_ok(conv_state, rec_state, w.conv_kernel))
+
+
 def kda_layer_step(plan: StepPlan, x: torch.Tensor, conv_state: torch.Tensor, rec_state: torch.Tensor,
                    slots: torch.Tensor) -> torch.Tensor | None:
     """:meth:`tidal.model.kda.KimiDeltaAttention.forward` of a bfloat16 layer for one token per
@@ -419,8 +430,7 @@ def kda_layer_step(plan: StepPlan, x: torch.Tensor, conv_state: torch.Tensor, re
     w = plan.weights
     T = x.shape[0]
     if (not _applies(x, conv_state) or not _plan_ok(plan) or x.dtype != torch.bfloat16 or not _rows_ok(x) or x.shape[1] != w.hidden
-            or slots.shape != (T,) or rec_state.shape[1:3] != (w.heads, w.head_dim)
-            or conv_state.shape[2] != 3 * w.heads * w.head_dim or not _kda_states_ok(conv_state, rec_state, w.conv_kernel)):
+            or slots.shape != (T,) or not _kda_step_states_ok(plan, conv_state, rec_state)):
         return None
     kernels = kda_layer_step_kernels()
     if kernels is None:
@@ -632,6 +642,13 @@ def mla_layer_plan(
     return StepPlan(weights, tensors, 0, torch.empty(1, dtype=torch.float32))
 
 
+def _mla_pages_ok(plan: StepPlan, pages: torch.Tensor) -> bool:
+    """Whether an MLA layer step's plan takes these pages (bfloat16 [P, page_size, C], rows contiguous)."""
+    w = plan.weights
+    return (pages.dtype == torch.bfloat16 and pages.dim() == 3 and pages.stride()[1:] == (pages.shape[2], 1)
+            and pages.shape[2] == w.kv_rank + w.rope)
+
+
 def mla_layer_step(plan: StepPlan, x: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor,
                    write: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
     """:meth:`tidal.model.mla.KimiMLA.forward` of a decode step (one new token per sequence, row t of
@@ -642,9 +659,9 @@ def mla_layer_step(plan: StepPlan, x: torch.Tensor, pages: torch.Tensor, table: 
     not apply (more rows than the small kernels take, batch invariance, the kernels off)."""
     w = plan.weights
     T = x.shape[0]
-    if (not _applies(x, pages) or not _plan_ok(plan) or x.dtype != torch.bfloat16 or pages.dtype != torch.bfloat16
+    if (not _applies(x, pages) or not _plan_ok(plan) or x.dtype != torch.bfloat16
             or not _rows_ok(x) or x.shape[1] != w.hidden or T > FUSED_MAX_ROWS or batch_invariant.enabled()
-            or pages.dim() != 3 or pages.stride()[1:] != (pages.shape[2], 1) or pages.shape[2] != w.kv_rank + w.rope
+            or not _mla_pages_ok(plan, pages)
             or table.shape[0] != T or lengths.shape != (T,) or write[0].shape != (T,) or write[1].shape != (T,)):
         return None
     fn = mla_layer_step_kernel()
@@ -657,4 +674,120 @@ def mla_layer_step(plan: StepPlan, x: torch.Tensor, pages: torch.Tensor, table: 
     if status != 0:
         raise ValueError("mla_layer_step: no scratch memory" if status == -1
                          else "mla_layer_step: the projections' sizes do not fit the heads")
+    return out
+
+
+# ---- a whole decode step in one call (csrc/model_decode.c) ----------------------------------------
+
+KDA, MLA = 0, 1  # a layer's attention
+DENSE_MLP, MOE = 0, 1  # its feed-forward
+
+
+@dataclass
+class LayerSteps:
+    """One decoder layer as :func:`model_decode_step` takes it: its attention's and feed-forward's
+    one-call step plans (``attn_kind`` KDA or MLA, ``ffn_kind`` DENSE_MLP or MOE) and the AttnRes
+    glue before each, (pseudo-query [d] float32, the sub-layer's input norm weight, its eps)."""
+
+    attn: StepPlan
+    attn_kind: int
+    ffn: StepPlan
+    ffn_kind: int
+    attn_glue: tuple[torch.Tensor, torch.Tensor, float]
+    ffn_glue: tuple[torch.Tensor, torch.Tensor, float]
+
+
+@dataclass
+class ModelStepPlan:
+    """A bfloat16 model's decode step as csrc/model_decode.c takes it (the structures it reads, and
+    what they point into)."""
+
+    program: DecodeProgram
+    layers: ctypes.Array = field(repr=False)
+    steps: list[LayerSteps] = field(repr=False)
+    out_glue: tuple[torch.Tensor, torch.Tensor, float] = field(repr=False)
+
+
+def _glue_weights(glue: tuple[torch.Tensor, torch.Tensor, float], hidden: int) -> GlueWeights | None:
+    query, norm_w, eps = glue
+    if (query.dtype != torch.float32 or not query.is_contiguous() or query.numel() != hidden or not query.is_cpu
+            or not _norm_ok(norm_w, hidden)):
+        return None
+    return GlueWeights(query=query.data_ptr(), norm_w=norm_w.data_ptr(), norm_bf16=int(norm_w.dtype == torch.bfloat16),
+                       norm_eps=eps)
+
+
+def model_step_plan(layers: list[LayerSteps], out_glue: tuple[torch.Tensor, torch.Tensor, float], hidden: int,
+                    block_size: int, eps: float) -> ModelStepPlan | None:
+    """The plan of :func:`model_decode_step` for a Block AttnRes model whose every layer takes its
+    one-call step, or None (the kernel unavailable, a glue it does not take)."""
+    if model_decode_kernel() is None or not layers or block_size < 1 or len(layers) // block_size + 2 > MAX_BLOCKS:
+        return None
+    arr = (DecodeLayer * len(layers))()
+    for entry, step in zip(arr, layers):
+        attn_glue, ffn_glue = _glue_weights(step.attn_glue, hidden), _glue_weights(step.ffn_glue, hidden)
+        if attn_glue is None or ffn_glue is None or step.attn.weights.hidden != hidden or step.ffn.weights.hidden != hidden:
+            return None
+        entry.attn_kind, entry.attn_w = step.attn_kind, ctypes.addressof(step.attn.weights)
+        entry.ffn_kind, entry.ffn_w = step.ffn_kind, ctypes.addressof(step.ffn.weights)
+        entry.attn_glue, entry.ffn_glue = attn_glue, ffn_glue
+    out = _glue_weights(out_glue, hidden)
+    if out is None:
+        return None
+    program = DecodeProgram(num_layers=len(layers), hidden=hidden, block_size=block_size, eps=eps,
+                            layers=ctypes.cast(arr, ctypes.POINTER(DecodeLayer)), out_glue=out)
+    return ModelStepPlan(program, arr, layers, out_glue)
+
+
+def model_decode_step(plan: ModelStepPlan, h: torch.Tensor, slots: torch.Tensor,
+                      kda_states: list[tuple[torch.Tensor, torch.Tensor]], mla_pages: list[torch.Tensor],
+                      table: torch.Tensor | None, lengths: torch.Tensor | None,
+                      write: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+    """The decode step of :func:`model_step_plan`'s model from the embeddings h [T, d] bfloat16 (one new
+    token per sequence) to the final-normed hidden states [T, d] bfloat16, in one C call with the
+    bits of the layers' separate steps and glue; the KDA states (``kda_states``, per KDA layer in
+    order: token t in slot ``slots[t]``) and MLA pages (``mla_pages`` per MLA layer; token t attends
+    over ``lengths[t]`` rows of pages ``table[t]`` and writes its latent at ``write``) updated in
+    place. None where a layer's step would not apply (see :func:`kda_layer_step`,
+    :func:`mla_layer_step`, :func:`moe_layer_step`, :func:`mlp_step`)."""
+    fn = model_decode_kernel()
+    T = h.shape[0] if h.dim() == 2 else 0
+    if (fn is None or not _applies(h) or h.dtype != torch.bfloat16 or not h.is_contiguous() or T == 0
+            or T > FUSED_MAX_ROWS or batch_invariant.enabled() or slots.shape != (T,)
+            or h.shape[1] != plan.program.hidden):
+        return None
+    kda, mla = iter(kda_states), iter(mla_pages)
+    for entry, step in zip(plan.layers, plan.steps):
+        if not _plan_ok(step.attn) or not _plan_ok(step.ffn):
+            return None
+        if step.attn_kind == KDA:
+            conv_state, rec_state = next(kda)
+            if not _applies(conv_state) or not _kda_step_states_ok(step.attn, conv_state, rec_state):
+                return None
+            entry.conv_state, entry.conv_stride = conv_state.data_ptr(), conv_state.stride(0)
+            entry.conv_bf16, entry.rec_state, entry.rec_stride = (int(conv_state.dtype == torch.bfloat16),
+                                                                  rec_state.data_ptr(), rec_state.stride(0))
+            entry.attn_scratch = step.attn.scratch_for(T).data_ptr()
+        else:
+            pages = next(mla)
+            if not _applies(pages) or not _mla_pages_ok(step.attn, pages) or table is None or write is None:
+                return None
+            entry.pages, entry.page_stride, entry.page_size = pages.data_ptr(), pages.stride(0), pages.shape[1]
+        if step.ffn_kind == MOE and T * step.ffn.weights.top_k > PACKED_EXPERTS_MAX_SLOTS:
+            return None
+        entry.ffn_scratch = step.ffn.scratch_for(T).data_ptr()
+    if table is not None:
+        table, lengths = table.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
+        if table.shape[0] != T or lengths.shape != (T,) or write[0].shape != (T,) or write[1].shape != (T,):
+            return None
+    if slots.dtype != torch.int32 or not slots.is_contiguous():
+        slots = slots.to(torch.int32).contiguous()
+    out = torch.empty(T, plan.program.hidden, dtype=torch.bfloat16)
+    status = fn(ctypes.byref(plan.program), _ptr(h), T, _ptr(slots), _ptr(table) if table is not None else None,
+                table.shape[1] if table is not None else 0, _ptr(lengths) if lengths is not None else None,
+                _ptr(write[0]) if write is not None else None, _ptr(write[1]) if write is not None else None, _ptr(out),
+                torch.get_num_threads())
+    if status != 0:
+        raise ValueError("model_decode_step: a layer's weights do not fit its kernel" if status == -2 else
+                         "model_decode_step: no scratch memory, or expert ids outside the experts")
     return out
