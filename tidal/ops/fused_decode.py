@@ -721,8 +721,8 @@ def model_step_plan(layers: list[LayerSteps], out_glue: tuple[torch.Tensor, torc
                     block_size: int, eps: float) -> ModelStepPlan | None:
     """The plan of :func:`model_decode_step` for a Block AttnRes model whose every layer takes its
     one-call step, or None (the kernel unavailable, a glue it does not take)."""
-    if model_decode_kernel() is None or not layers or block_size < 1 or len(layers) // block_size + 2 > MAX_BLOCKS:
-        return None
+    if model_decode_kernel() is None or not layers or block_size < 1 or -(-len(layers) // block_size) + 1 > MAX_BLOCKS:
+        return None  # (the blocks and the partial sum are the AttnRes kernels' values)
     arr = (DecodeLayer * len(layers))()
     for entry, step in zip(arr, layers):
         attn_glue, ffn_glue = _glue_weights(step.attn_glue, hidden), _glue_weights(step.ffn_glue, hidden)

@@ -32,7 +32,7 @@ int attn_res_glue(const void *partial, int64_t p_stride, const void *add, int64_
                   const float *const *block_inv_rms, const float *query, float eps, void *mixed, const void *norm_w,
                   int norm_w_bf16, float norm_eps, void *normed, int64_t T, int64_t D, int is_bf16, int num_threads);
 
-#define MAX_BLOCKS 63  /* attn_res_glue takes 64 values: the blocks and the partial sum */
+#define MAX_BLOCKS 63 /* attn_res_glue takes 64 values: the blocks and the partial sum */
 
 /* The AttnRes glue before a sub-layer: its pseudo-query and the sub-layer's input norm. */
 struct glue_weights {
@@ -67,18 +67,30 @@ struct decode_program {
     struct glue_weights out_glue; /* the output AttnRes and the final norm */
 };
 
+/* The step's working rows: a ring of RING rows of T x hidden values, taken in turn (blocks are kept
+ * apart). A value is last read when at most 4 more rows have been taken after it (a partial sum, by
+ * the next glue, which takes the new sum after the mixed and normed rows and the sub-layer's
+ * output), so any ring of 5 or more rows holds every live value. */
+#define RING 8
+
+struct rows {
+    uint16_t *ring;
+    int64_t n, taken;
+};
+
+static uint16_t *take(struct rows *r) { return r->ring + (r->taken++ % RING) * r->n; }
+
 /* One glue call: sum = partial + add (partial without add), mixed = AttnRes over the blocks (sum
- * without blocks), normed = the norm of mixed; new rows are taken from *next (T * D each). */
+ * without blocks), normed = the norm of mixed. */
 static int glue(const struct decode_program *p, const struct glue_weights *g, const uint16_t *partial,
                 const uint16_t *add, const void *const *blocks, const int64_t *strides, int64_t n_blocks,
-                const float *const *inv, int64_t T, uint16_t **next, uint16_t **sum, uint16_t **mixed,
-                uint16_t **normed, int num_threads) {
-    const int64_t n = T * p->hidden;
-    *sum = add != NULL ? (*next += n) - n : (uint16_t *)partial;
-    *mixed = n_blocks > 0 ? (*next += n) - n : *sum;
-    *normed = (*next += n) - n;
+                const float *const *inv, int64_t T, struct rows *r, uint16_t **sum, uint16_t **normed,
+                int num_threads) {
+    *sum = add != NULL ? take(r) : (uint16_t *)partial;
+    uint16_t *mixed = n_blocks > 0 ? take(r) : *sum;
+    *normed = take(r);
     return attn_res_glue(partial, p->hidden, add, p->hidden, *sum, blocks, strides, n_blocks, inv, g->query, p->eps,
-                         *mixed, g->norm_w, (int)g->norm_bf16, g->norm_eps, *normed, T, p->hidden, 1, num_threads);
+                         mixed, g->norm_w, (int)g->norm_bf16, g->norm_eps, *normed, T, p->hidden, 1, num_threads);
 }
 
 /* h [T, hidden] bfloat16 (contiguous: the embeddings of one new token per sequence) -> out [T, hidden]
@@ -91,33 +103,34 @@ static int glue(const struct decode_program *p, const struct glue_weights *g, co
 int model_decode_step(const struct decode_program *p, const uint16_t *h, int64_t T, const int32_t *slots,
                       const int64_t *table, int64_t max_pages, const int64_t *lengths, const int64_t *write_page,
                       const int64_t *write_pos, uint16_t *out, int num_threads) {
-    const int64_t L = p->num_layers, n = T * p->hidden;
-    const int64_t rows = (8 * L + 3) * n; /* at most 3 per glue and 1 per sub-layer */
-    uint16_t *arena = malloc(sizeof(uint16_t) * (size_t)rows);
-    float *inv_rows = malloc(sizeof(float) * (size_t)(T * (MAX_BLOCKS + 1)));
+    const int64_t L = p->num_layers, n = T * p->hidden, max_blocks = (L + p->block_size - 1) / p->block_size;
+    if (max_blocks > MAX_BLOCKS) return -1;
+    struct rows r = {malloc(sizeof(uint16_t) * (size_t)(RING * n)), n, 0};
+    uint16_t *block_rows = malloc(sizeof(uint16_t) * (size_t)(max_blocks * n)); /* the blocks, kept whole */
+    float *inv_rows = malloc(sizeof(float) * (size_t)(T * max_blocks));
     int status = -1;
-    if (arena == NULL || inv_rows == NULL) goto done;
-    const void *blocks[MAX_BLOCKS + 1];
-    int64_t strides[MAX_BLOCKS + 1];
-    const float *inv[MAX_BLOCKS + 1];
+    if (r.ring == NULL || block_rows == NULL || inv_rows == NULL) goto done;
+    const void *blocks[MAX_BLOCKS];
+    int64_t strides[MAX_BLOCKS];
+    const float *inv[MAX_BLOCKS];
     int64_t n_blocks = 0;
-    uint16_t *next = arena, *sum, *mixed, *normed;
+    uint16_t *sum, *normed;
     const uint16_t *partial = h, *add = NULL;
     for (int64_t i = 0; i < L; i++) {
         const struct decode_layer *l = &p->layers[i];
-        if (glue(p, &l->attn_glue, partial, add, blocks, strides, n_blocks, inv, T, &next, &sum, &mixed, &normed,
-                 num_threads))
+        if (glue(p, &l->attn_glue, partial, add, blocks, strides, n_blocks, inv, T, &r, &sum, &normed, num_threads))
             goto done;
         partial = sum;
         if (i % p->block_size == 0) { /* the partial sum completes a block */
-            if (n_blocks == MAX_BLOCKS) goto done;
-            float *r = inv_rows + n_blocks * T;
-            attn_res_inv_rms(partial, p->hidden, T, p->hidden, p->eps, 1, r);
-            blocks[n_blocks] = partial, strides[n_blocks] = p->hidden, inv[n_blocks] = r;
+            uint16_t *b = block_rows + n_blocks * n;
+            for (int64_t j = 0; j < n; j++) b[j] = partial[j];
+            float *rms = inv_rows + n_blocks * T;
+            attn_res_inv_rms(b, p->hidden, T, p->hidden, p->eps, 1, rms);
+            blocks[n_blocks] = b, strides[n_blocks] = p->hidden, inv[n_blocks] = rms;
             n_blocks++;
             partial = NULL;
         }
-        uint16_t *a = (next += n) - n;
+        uint16_t *a = take(&r);
         if (l->attn_kind == 0) {
             if (kda_layer_step(l->attn_w, normed, p->hidden, T, l->conv_state, l->conv_stride, (int)l->conv_bf16,
                                l->rec_state, l->rec_stride, slots, a, l->attn_scratch, num_threads)) {
@@ -134,23 +147,22 @@ int model_decode_step(const struct decode_program *p, const uint16_t *h, int64_t
         }
         if (partial == NULL) partial = a, add = NULL;
         else add = a;
-        if (glue(p, &l->ffn_glue, partial, add, blocks, strides, n_blocks, inv, T, &next, &sum, &mixed, &normed,
-                 num_threads))
+        if (glue(p, &l->ffn_glue, partial, add, blocks, strides, n_blocks, inv, T, &r, &sum, &normed, num_threads))
             goto done;
         partial = sum;
-        uint16_t *f = (next += n) - n;
+        uint16_t *f = take(&r);
         if (l->ffn_kind == 1 ? moe_layer_step(l->ffn_w, normed, p->hidden, T, f, l->ffn_scratch, num_threads)
                              : mlp_step(l->ffn_w, normed, p->hidden, T, f, l->ffn_scratch, num_threads))
             goto done;
         add = f;
     }
-    if (glue(p, &p->out_glue, partial, add, blocks, strides, n_blocks, inv, T, &next, &sum, &mixed, &normed,
-             num_threads))
+    if (glue(p, &p->out_glue, partial, add, blocks, strides, n_blocks, inv, T, &r, &sum, &normed, num_threads))
         goto done;
-    for (int64_t i = 0; i < n; i++) out[i] = normed[i];
+    for (int64_t j = 0; j < n; j++) out[j] = normed[j];
     status = 0;
 done:
-    free(arena);
+    free(r.ring);
+    free(block_rows);
     free(inv_rows);
     return status;
 }
