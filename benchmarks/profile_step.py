@@ -9,6 +9,8 @@ Two views of the same steps, one process:
   seam ``tidal.ops.dense.linear``, the packed experts, the sampler). A region's time excludes the
   regions inside it, so the rows add up to the step; "GEMM" rows also give the weight bytes they
   read and the rate (bytes / time), against a read-bandwidth baseline measured in the same run.
+  A bfloat16 Block AttnRes model's decode step runs its layers in one C call (``model_decode_step``):
+  they show as one region (``TIDAL_FUSED_DECODE=0`` for the torch ops layer by layer).
 * the torch profiler's aten table (self CPU time) of a few steps: what the dispatcher runs. The C
   kernels (ctypes calls) are not aten ops: they show as the time of their Python callers above.
 
@@ -82,6 +84,8 @@ def label_everything() -> None:
         (fused_decode, "packed_experts", "routed experts (packed)"),
         (kimi, "attn_res_glue", "AttnRes (+ add, norm)"), (kimi.KimiForCausalLM, "compute_logits", "lm_head"),
         (layers.RMSNorm, "forward", "RMSNorm"),
+        # a bfloat16 AttnRes model's whole decode step in one C call (its layers are not seen apart)
+        (fused_decode, "model_decode_step", "all layers (one C call)"),
     ]:
         region(owner, name, label)
     region(dense, "linear", None)
