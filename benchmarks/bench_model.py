@@ -59,6 +59,20 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / dt  # read + write
 
 
+def read_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Bytes/s of an int64 sum over ``nbytes`` on torch's threads, re-read (best of 5): a read-only
+    stream, the GEMV's ideal. Sized as a decode step's weights it is the rate at which a step can
+    re-read them, caches included (a working set the last-level cache holds reads faster than DRAM)."""
+    a = torch.ones(max(8, nbytes // 8 * 8), dtype=torch.uint8).view(torch.int64)
+    a.sum()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.numel() * 8 / best
+
+
 @torch.inference_mode()
 def tidal_speed(model: KimiForCausalLM, ids: torch.Tensor, new_tokens: int) -> tuple[float, float, list[int]]:
     c = model.config

@@ -31,7 +31,7 @@ import tidal  # first: its OpenMP wait policy must be set before torch loads lib
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_model import active_weight_bytes, copy_bandwidth  # noqa: E402
+from bench_model import active_weight_bytes, read_bandwidth  # noqa: E402
 from vs_llamacpp import CONFIG, LLAMA, VERSION, build_llamacpp, checkpoint, gguf, prompts, run  # noqa: E402
 
 from tidal import LLM, SamplingParams  # noqa: E402
@@ -71,7 +71,8 @@ def offline_step_ms(model_dir: Path, vocab: int, input_len: int, output_len: int
     one = prompts(vocab, 1, input_len, seed=1)
     t1 = min(timed(one, 1) for _ in range(2))
     tn = min(timed(one, output_len) for _ in range(2))
-    bound = active_weight_bytes(llm.engine.model) / (copy_bandwidth() / 2)
+    per_tok = active_weight_bytes(llm.engine.model)
+    bound = per_tok / read_bandwidth(per_tok)
     return (tn - t1) / (output_len - 1) * 1e3, bound * 1e3
 
 

@@ -31,6 +31,7 @@ import tidal  # noqa: F401  (first: its OpenMP wait policy must be set before to
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_model import read_bandwidth  # noqa: E402
 from count_decode_ops import decode_engine, step_arguments  # noqa: E402
 from vs_llamacpp import checkpoint  # noqa: E402
 
@@ -90,20 +91,6 @@ def label_everything() -> None:
         region(owner, name, label)
     region(dense, "linear", None)
     # moe imports `dense` as a module, kda/mla/layers too: patching the module attribute reaches them all.
-
-
-def read_bandwidth() -> float:
-    """Bytes/s of a large int64 sum on torch's threads (a read-only stream, the GEMV's ideal)."""
-    a = torch.ones(256 << 20, dtype=torch.uint8).view(torch.int64)
-    a.sum()
-    best = min(_timed(a.sum) for _ in range(5))
-    return a.numel() * 8 / best
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
