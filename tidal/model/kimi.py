@@ -13,9 +13,8 @@ from tidal.model.layers import (Embedding, RMSNorm, compute_dtype, derived_weigh
                                  trusted_derived)
 from tidal.model.mla import KimiMLA
 from tidal.model.moe import KimiMLP, KimiMoE
-from tidal.ops import batch_invariant, fused_decode
-from tidal.ops.fused_decode import BlockCache
 from tidal.model.vision.tower import MoonViT, PatchMergerProjector
+from tidal.ops import batch_invariant, fused_decode
 
 # Parameters kept in float32 (float64 in a float64 model) whatever the model dtype.
 FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")
@@ -120,6 +119,7 @@ class KimiModel(nn.Module):
         return kept or None  # (False: does not apply)
 
     def _step_plan(self) -> fused_decode.ModelStepPlan | bool:
+        """The plan of :meth:`_decode_step` built from the layers' own plans (False: does not apply)."""
         steps = []
         for layer in self.layers:
             attn, ffn = layer.self_attn, layer.ffn
@@ -147,7 +147,7 @@ class KimiModel(nn.Module):
         eps = self.config.rms_norm_eps
         size = self.config.attn_res_block_size
         blocks: list[torch.Tensor] = []
-        block_cache = BlockCache()  # what a kernel computes once per completed block
+        block_cache = fused_decode.BlockCache()  # what a kernel computes once per completed block
         partial: torch.Tensor | None = h
         add: torch.Tensor | None = None  # the last sub-layer's output, not yet in partial
         for i, layer in enumerate(self.layers):

@@ -97,8 +97,8 @@ def weights_epoch() -> int:
 def frozen_weights(epoch: int) -> Iterator[None]:
     """Within the block the model's weights do not change (a model runner's steps: an engine's
     weights are final once loaded, and tidal writes them nowhere else): a derived weight checked
-    once under ``epoch`` is then used without its key check (:func:`trusted_derived`), which cost a
-    few percent of a batch-1 decode step (a key of a dozen parameters per layer, every step)."""
+    once under ``epoch`` is then used without its key check (:func:`trusted_derived`; the key is a
+    dozen parameters' addresses, dtypes, shapes and versions per layer, built at every call)."""
     before, _frozen.epoch = _frozen.epoch, epoch
     try:
         yield

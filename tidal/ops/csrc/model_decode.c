@@ -3,9 +3,9 @@
  * them (attn_res_glue, attn_res_inv_rms), called in the order of tidal.model.kimi.KimiModel's
  * _forward_attn_res with the arguments its Python calls pass, so the result has their bits.
  *
- * At batch 1 a step's layers each read a few MiB of weights in ~0.1-0.2 ms, and the Python between
- * the ~40 kernel calls of a step (argument checks, ctypes conversions, tensor allocations) cost a
- * fifth of the step; here it is one call. This library links those kernels' sources
+ * At a few rows a layer's kernels read a few MiB of weights each, and the Python around each of a
+ * step's ~40 kernel calls (argument checks, ctypes conversions, tensor allocations) is of the same
+ * order as the kernels; here the step is one call. This library links those kernels' sources
  * (tidal.ops.cpu_kernels.LIBRARY_SOURCES). */
 #include <stdint.h>
 #include <stdlib.h>
