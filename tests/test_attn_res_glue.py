@@ -13,6 +13,7 @@ from torch import nn
 from tidal.model.attn_res import attn_res, attn_res_glue, attn_res_params
 from tidal.model.layers import RMSNorm, rms_norm
 from tidal.ops import cpu_kernels, fused_decode
+from tidal.ops.fused_decode import BlockCache
 
 from test_fused_decode import reference_attn_res, threads
 
@@ -46,7 +47,7 @@ def rows(T: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
 def separate(owner, norm, partial, add, blocks):
     """The three ops as the torch form of the model runs them (their own C kernels where they take the rows)."""
     total = partial if add is None else partial + add
-    a = attn_res(total, blocks, owner.res_norm.weight, owner.res_proj.weight, EPS, [])
+    a = attn_res(total, blocks, owner.res_norm.weight, owner.res_proj.weight, EPS, BlockCache())
     return total, a, norm(a)
 
 
@@ -67,11 +68,11 @@ def test_glue_has_the_bits_of_the_separate_ops_and_matches_float64(dtype, n_bloc
         with torch.inference_mode():
             fused_decode.attn_res_glue = lambda *a: (lambda r: calls.append(r is not None) or r)(real(*a))
             try:
-                got = attn_res_glue(owner, "res", partial, add, blocks, EPS, [], norm)
+                got = attn_res_glue(owner, "res", partial, add, blocks, EPS, BlockCache(), norm)
                 with threads(1):
-                    one = attn_res_glue(owner, "res", partial, add, blocks, EPS, [], norm)
+                    one = attn_res_glue(owner, "res", partial, add, blocks, EPS, BlockCache(), norm)
                 alone = [attn_res_glue(owner, "res", partial[t : t + 1], None if add is None else add[t : t + 1],
-                                       [b[t : t + 1] for b in blocks], EPS, [], norm) for t in range(T)]
+                                       [b[t : t + 1] for b in blocks], EPS, BlockCache(), norm) for t in range(T)]
             finally:
                 fused_decode.attn_res_glue = real
             want = separate(owner, norm, partial, add, blocks)
@@ -99,9 +100,9 @@ def test_glue_without_the_kernels_runs_the_separate_ops(monkeypatch):
         monkeypatch.setenv("TIDAL_CPU_KERNELS", "0")
         for fn in cached:
             fn.cache_clear()
-        assert fused_decode.attn_res_glue(partial, add, blocks, [], torch.ones(D), EPS, norm.weight, 1e-5) is None
+        assert fused_decode.attn_res_glue(partial, add, blocks, BlockCache(), torch.ones(D), EPS, norm.weight, 1e-5) is None
         with torch.inference_mode():
-            total, a, x = attn_res_glue(owner, "res", partial, add, blocks, EPS, [], norm)
+            total, a, x = attn_res_glue(owner, "res", partial, add, blocks, EPS, BlockCache(), norm)
     finally:
         monkeypatch.delenv("TIDAL_CPU_KERNELS")
         for fn in cached:
@@ -117,8 +118,8 @@ def test_glue_declines_rows_it_does_not_take():
     gen = torch.Generator().manual_seed(64)
     partial, add = rows(2, torch.float32, gen), rows(2, torch.float32, gen)
     w, q = torch.ones(D), torch.ones(D)
-    assert fused_decode.attn_res_glue(partial, add.bfloat16(), [], [], q, EPS, w, 1e-5) is None
-    assert fused_decode.attn_res_glue(partial, add[:1], [], [], q, EPS, w, 1e-5) is None
-    assert fused_decode.attn_res_glue(partial, add, [], [], q, EPS, torch.ones(D + 1), 1e-5) is None
-    assert fused_decode.attn_res_glue(partial, add, [partial.double()], [], q, EPS, w, 1e-5) is None
-    assert fused_decode.attn_res_glue(partial, add, [], [], q, EPS, w, 1e-5) is not None
+    assert fused_decode.attn_res_glue(partial, add.bfloat16(), [], BlockCache(), q, EPS, w, 1e-5) is None
+    assert fused_decode.attn_res_glue(partial, add[:1], [], BlockCache(), q, EPS, w, 1e-5) is None
+    assert fused_decode.attn_res_glue(partial, add, [], BlockCache(), q, EPS, torch.ones(D + 1), 1e-5) is None
+    assert fused_decode.attn_res_glue(partial, add, [partial.double()], BlockCache(), q, EPS, w, 1e-5) is None
+    assert fused_decode.attn_res_glue(partial, add, [], BlockCache(), q, EPS, w, 1e-5) is not None

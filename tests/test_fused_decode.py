@@ -19,6 +19,7 @@ from tidal.model.kda import KimiDeltaAttention
 from tidal.model.layers import rms_norm
 from tidal.model.moe import Experts, KimiMLP, PackedExperts, Router
 from tidal.ops import cpu_kernels, dense, fused_decode
+from tidal.ops.fused_decode import BlockCache
 from tidal.ops.activation import situ, swiglu
 from tidal.ops.kda import kda_gate, kda_recurrent, l2_normalize
 from tidal.ops.mxfp import dequantize_mxfp4
@@ -255,7 +256,7 @@ def test_attn_res_matches_float64_with_blocks_cached_once(dtype):
     gen = torch.Generator().manual_seed(3)
     T, D, eps = 5, 67, 1e-5
     blocks: list[torch.Tensor] = []
-    cache: list[torch.Tensor] = []
+    cache = BlockCache()
     for n in range(1, 5):  # the cache grows by one block per completed block, as in a forward pass
         blocks.append((2 * torch.randn(T, D, generator=gen)).to(dtype))
         partial = torch.randn(T, D, generator=gen).to(dtype)
@@ -274,11 +275,11 @@ def test_attn_res_rows_are_bitwise_batch_and_thread_invariant():
     blocks = [torch.randn(T, D, generator=gen) for _ in range(3)]
     partial, query = torch.randn(T, D, generator=gen), torch.randn(D, generator=gen)
     with threads(2):
-        batch = fused_decode.attn_res(partial, blocks, [], query, 1e-6)
-        alone = torch.cat([fused_decode.attn_res(partial[i : i + 1], [b[i : i + 1] for b in blocks], [], query, 1e-6)
+        batch = fused_decode.attn_res(partial, blocks, BlockCache(), query, 1e-6)
+        alone = torch.cat([fused_decode.attn_res(partial[i : i + 1], [b[i : i + 1] for b in blocks], BlockCache(), query, 1e-6)
                            for i in range(T)])
     with threads(1):
-        single = fused_decode.attn_res(partial, blocks, [], query, 1e-6)
+        single = fused_decode.attn_res(partial, blocks, BlockCache(), query, 1e-6)
     assert torch.equal(batch, alone) and torch.equal(batch, single)
 
 

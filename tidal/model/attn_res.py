@@ -15,10 +15,10 @@ from tidal.ops import batch_invariant, fused_decode
 
 def attn_res(
     partial: torch.Tensor, blocks: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor, eps: float,
-    block_cache: list[torch.Tensor] | None = None, query: torch.Tensor | None = None,
+    block_cache: fused_decode.BlockCache | None = None, query: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mix [*blocks, partial] (each [T, d]) with softmax weights over depth; returns [T, d].
-    ``block_cache``: a list the caller keeps for one forward pass (the fused kernel stores each
+    ``block_cache``: what the caller keeps for one forward pass (the fused kernel stores each
     block's inverse RMS there once); ``query``: norm_weight * proj_weight in float32, precomputed."""
     if not blocks:
         return partial
@@ -69,7 +69,7 @@ def attn_res_query(owner: nn.Module, prefix: str) -> torch.Tensor | None:
 
 def attn_res_glue(
     owner: nn.Module, prefix: str, partial: torch.Tensor, add: torch.Tensor | None, blocks: list[torch.Tensor],
-    eps: float, block_cache: list[torch.Tensor], norm: nn.Module,
+    eps: float, block_cache: fused_decode.BlockCache, norm: nn.Module,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What runs between two sub-layers: the partial sum ``s = partial + add`` (partial where add is
     None), ``a = attn_res(s, blocks)`` with the weights registered on owner under ``prefix``, and

@@ -199,10 +199,11 @@ MAX_BLOCKS = 64  # blocks (and the partial sum) the AttnRes kernels take
 
 
 class BlockCache(list):
-    """The inverse RMS of each completed block (one [T] float32 tensor per block, in order), kept for
-    one forward pass, with the blocks' row addresses, row strides and those tensors' addresses in
-    the arrays the C kernels take: a block never changes once complete, so each is computed and
-    written once per forward pass, not at each of the ~2 glue calls per layer that read it."""
+    """What the AttnRes kernels keep of the completed blocks for one forward pass (a caller makes one
+    per pass and hands it to every call): each block's inverse RMS (one [T] float32 tensor per
+    block, in order), and the blocks' row addresses, row strides and those tensors' addresses in
+    the arrays the kernels take. A block never changes once complete, so each is computed and
+    written once per pass, not at each of the ~2 glue calls per layer that read it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -211,7 +212,7 @@ class BlockCache(list):
         self.invs = (ctypes.c_void_p * MAX_BLOCKS)()
 
 
-def _blocks_ready(partial: torch.Tensor, blocks: list[torch.Tensor], block_cache: list[torch.Tensor], eps: float,
+def _blocks_ready(partial: torch.Tensor, blocks: list[torch.Tensor], block_cache: BlockCache, eps: float,
                   inv_fn: Callable, *others: torch.Tensor) -> bool:
     """Whether the AttnRes kernels take these rows (and ``others``, the call's other tensors), after
     computing the inverse RMS of each block not yet in ``block_cache`` (a block never changes once
@@ -228,30 +229,19 @@ def _blocks_ready(partial: torch.Tensor, blocks: list[torch.Tensor], block_cache
         return True
     if any(b.dtype != partial.dtype or not _rows_ok(b) or b.shape != partial.shape for b in new):
         return False
-    arrays = isinstance(block_cache, BlockCache)
     for i, b in enumerate(new, n):
         inv = torch.empty(T, dtype=torch.float32)
         inv_fn(_ptr(b), b.stride(0), T, D, eps, int(partial.dtype == torch.bfloat16), _ptr(inv))
         block_cache.append(inv)
-        if arrays:
-            block_cache.rows[i], block_cache.strides[i], block_cache.invs[i] = _ptr(b), b.stride(0), _ptr(inv)
+        block_cache.rows[i], block_cache.strides[i], block_cache.invs[i] = _ptr(b), b.stride(0), _ptr(inv)
     return True
 
 
-def _block_arrays(blocks: list[torch.Tensor], block_cache: list[torch.Tensor]) -> tuple[ctypes.Array, ...]:
-    """(row addresses, row strides, inverse-RMS addresses) of the blocks, as the C kernels take them."""
-    if isinstance(block_cache, BlockCache):
-        return block_cache.rows, block_cache.strides, block_cache.invs
-    n = max(1, len(blocks))
-    return ((ctypes.c_void_p * n)(*[_ptr(b) for b in blocks]), (ctypes.c_int64 * n)(*[b.stride(0) for b in blocks]),
-            (ctypes.c_void_p * n)(*[_ptr(c) for c in block_cache[: len(blocks)]]))
-
-
-def attn_res(partial: torch.Tensor, blocks: list[torch.Tensor], block_cache: list[torch.Tensor],
+def attn_res(partial: torch.Tensor, blocks: list[torch.Tensor], block_cache: BlockCache,
              query: torch.Tensor, eps: float) -> torch.Tensor | None:
     """:func:`tidal.model.attn_res.attn_res` with the pseudo-query ``query`` [d] (float32). A block
-    never changes once complete, so its inverse RMS is computed once, into ``block_cache`` (one
-    [T] tensor per block, in order; the caller keeps the list for the forward pass)."""
+    never changes once complete, so its inverse RMS is computed once, into ``block_cache`` (kept by
+    the caller for the forward pass)."""
     fns = attn_res_kernels()
     if fns is None or not _blocks_ready(partial, blocks, block_cache, eps, fns[1]):
         return None
@@ -259,15 +249,14 @@ def attn_res(partial: torch.Tensor, blocks: list[torch.Tensor], block_cache: lis
     values = [*blocks, partial]
     pointers = (ctypes.c_void_p * len(values))(*[_ptr(v) for v in values])
     strides = (ctypes.c_int64 * len(values))(*[v.stride(0) for v in values])
-    inv = _block_arrays(blocks, block_cache)[2]
     out = torch.empty(T, D, dtype=partial.dtype)
-    fns[0](pointers, strides, len(values), inv, _ptr(query), T, D, eps, int(partial.dtype == torch.bfloat16), _ptr(out),
+    fns[0](pointers, strides, len(values), block_cache.invs, _ptr(query), T, D, eps, int(partial.dtype == torch.bfloat16), _ptr(out),
            torch.get_num_threads())
     return out
 
 
 def attn_res_glue(
-    partial: torch.Tensor, add: torch.Tensor | None, blocks: list[torch.Tensor], block_cache: list[torch.Tensor],
+    partial: torch.Tensor, add: torch.Tensor | None, blocks: list[torch.Tensor], block_cache: BlockCache,
     query: torch.Tensor, eps: float, norm_weight: torch.Tensor, norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The glue between two sub-layers as one C call: ``s = partial + add`` (partial itself where add
@@ -288,9 +277,8 @@ def attn_res_glue(
     total = torch.empty(T, D, dtype=partial.dtype) if add is not None else partial
     mixed = torch.empty(T, D, dtype=partial.dtype) if blocks else total
     normed = torch.empty(T, D, dtype=partial.dtype)
-    pointers, strides, inv = _block_arrays(blocks, block_cache)
     fn(_ptr(partial), partial.stride(0), _ptr(add) if add is not None else None, add.stride(0) if add is not None else 0,
-       _ptr(total), pointers, strides, len(blocks), inv, _ptr(query), eps, _ptr(mixed), _ptr(norm_weight),
+       _ptr(total), block_cache.rows, block_cache.strides, len(blocks), block_cache.invs, _ptr(query), eps, _ptr(mixed), _ptr(norm_weight),
        int(norm_weight.dtype == torch.bfloat16), norm_eps, _ptr(normed), T, D, int(partial.dtype == torch.bfloat16),
        torch.get_num_threads())
     return total, mixed, normed
