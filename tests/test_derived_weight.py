@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidal.model.layers import derived_weight, frozen_weights, trusted_derived, weights_epoch
+from tidal.model.layers import derived_weight, frozen_weights, kept_derived, trusted_derived, weights_epoch
 
 
 def owner_of(*shape: int) -> tuple[nn.Module, nn.Parameter]:
@@ -56,6 +56,29 @@ def test_frozen_weights_check_once_per_epoch_then_trust():
         assert trusted_derived(m, "_doubled") is None
         doubled(m, calls)
         assert len(calls) == 3
+
+
+def test_a_kept_method_runs_once_per_epoch():
+    """kept_derived: within frozen_weights the kept value is returned without running the method
+    (which gathers the parameters); outside it the method runs at every call."""
+
+    class Owner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(2, 2), requires_grad=False)
+            self.runs = 0
+
+        @kept_derived("_doubled")
+        def doubled(self) -> torch.Tensor:
+            self.runs += 1
+            return derived_weight(self, "_doubled", (self.w,), lambda: self.w * 2)
+
+    m = Owner()
+    m.doubled(), m.doubled()
+    assert m.runs == 2
+    with frozen_weights(weights_epoch()):
+        first = m.doubled()
+        assert m.doubled() is first and m.doubled() is first and m.runs == 3
 
 
 def test_a_runner_steps_inside_its_epoch():

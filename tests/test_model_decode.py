@@ -56,10 +56,10 @@ def test_it_steps_aside_where_it_does_not_apply(llm, monkeypatch):
     with batch_invariant.deterministic_mode(True):
         h = torch.zeros(1, 256, dtype=torch.bfloat16)
         plan = llm.engine.worker.runner.model.model._model_step_plan()
-        assert plan is not None
+        assert plan
         assert fused_decode.model_decode_step(plan, h, torch.zeros(1, dtype=torch.int32), [], [], None, None, None) is None
     f32 = LLM(str(embedded_model_dir()), dtype="float32", skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 24)
-    assert f32.engine.worker.runner.model.model._model_step_plan() is None
+    assert f32.engine.worker.runner.model.model._model_step_plan() is False
     calls.clear()
     run(f32, PROMPTS[:1])
     assert not calls

@@ -8,7 +8,7 @@ from torch import nn
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
 from tidal.model.layers import (Conv1d, FusedWeights, compute_dtype, derived_weight, fuse_linears, linear, rms_norm,
-                                 trusted_derived)
+                                 kept_derived)
 from tidal.ops import backends, batch_invariant, dense, fused_decode
 from tidal.ops.kda import (
     CHUNK,
@@ -133,12 +133,10 @@ class KimiDeltaAttention(nn.Module):
         apart), else None."""
         return self._step_plan() if self.in_proj is None else None
 
+    @kept_derived("_step_plan_cached")
     def _step_plan(self) -> fused_decode.StepPlan | None:
         """The layer's weights as the one-call decode step takes them (kept while none changes),
         or None where it does not take them (float32 or fused projections, another device)."""
-        trusted = trusted_derived(self, "_step_plan_cached")
-        if trusted is not None:
-            return trusted
         gate = self.g_proj if self.config.kda_full_rank_gate else self.g_a_proj
         g_b = None if self.config.kda_full_rank_gate else self.g_b_proj.weight
         in_ws = [m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj)]

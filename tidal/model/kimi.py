@@ -9,8 +9,8 @@ from tidal.config import ModelConfig
 from tidal.model.attn_res import attn_res_glue, attn_res_params, attn_res_query
 from tidal.model.context import ForwardBatch
 from tidal.model.kda import KimiDeltaAttention
-from tidal.model.layers import (Embedding, RMSNorm, compute_dtype, derived_weight, inference_layout, linear,
-                                 trusted_derived)
+from tidal.model.layers import (Embedding, RMSNorm, compute_dtype, derived_weight, inference_layout, kept_derived,
+                                 linear)
 from tidal.model.mla import KimiMLA
 from tidal.model.moe import KimiMLP, KimiMoE
 from tidal.model.vision.tower import MoonViT, PatchMergerProjector
@@ -94,7 +94,7 @@ class KimiModel(nn.Module):
                 or not hasattr(batch.cache, "mla_write_rows")):
             return None
         plan = self._model_step_plan()
-        if plan is None:
+        if not plan:
             return None
         cache = batch.cache
         kda, pages, table, lengths, write = [], [], None, None, None
@@ -110,13 +110,11 @@ class KimiModel(nn.Module):
             pages.append(layer_pages)
         return fused_decode.model_decode_step(plan, h, batch.decode_slots(h.device), kda, pages, table, lengths, write)
 
-    def _model_step_plan(self) -> fused_decode.ModelStepPlan | None:
-        """The plan of :meth:`_decode_step` (kept while no weight changes), or None where a layer does
+    @kept_derived("_model_step_plan_cached")
+    def _model_step_plan(self) -> fused_decode.ModelStepPlan | bool:
+        """The plan of :meth:`_decode_step` (kept while no weight changes), or False where a layer does
         not take its one-call step."""
-        kept = trusted_derived(self, "_model_step_plan_cached")
-        if kept is None:
-            kept = derived_weight(self, "_model_step_plan_cached", (*self.parameters(), *self.buffers()), self._step_plan)
-        return kept or None  # (False: does not apply)
+        return derived_weight(self, "_model_step_plan_cached", (*self.parameters(), *self.buffers()), self._step_plan)
 
     def _step_plan(self) -> fused_decode.ModelStepPlan | bool:
         """The plan of :meth:`_decode_step` built from the layers' own plans (False: does not apply)."""

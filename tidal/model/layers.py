@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from contextlib import contextmanager
@@ -115,6 +116,22 @@ def trusted_derived(owner: nn.Module, name: str):
         if cached is not None and cached[2] == epoch:
             return cached[1]
     return None
+
+
+def kept_derived(name: str) -> Callable:
+    """Decorates a method that returns ``derived_weight(self, name, ...)``: within
+    :func:`frozen_weights` the value kept under ``name`` is returned without running the method
+    (which gathers the parameters for the key from the module's children)."""
+
+    def decorate(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def kept(self):
+            value = trusted_derived(self, name)
+            return value if value is not None else method(self)
+
+        return kept
+
+    return decorate
 
 
 def derived_weight(owner: nn.Module, name: str, params: tuple[torch.Tensor, ...],

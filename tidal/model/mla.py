@@ -7,7 +7,7 @@ from torch import nn
 
 from tidal.config import ModelConfig
 from tidal.model.context import ForwardBatch
-from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, derived_weight, fuse_linears, linear, trusted_derived
+from tidal.model.layers import FusedWeights, RMSNorm, compute_dtype, derived_weight, fuse_linears, kept_derived, linear
 from tidal.ops import batch_invariant, dense, fused_decode
 from tidal.ops.backends import mla_paged_decode, mla_prefill_attention
 from tidal.ops.mla import mla_absorbed_attention, mla_naive_attention
@@ -124,11 +124,9 @@ class KimiMLA(nn.Module):
         cache on this rank), else None."""
         return self._step_plan() if self.context_parallel is None else None
 
+    @kept_derived("_step_plan_cached")
     def _step_plan(self) -> fused_decode.StepPlan | None:
         """The layer's weights as the one-call decode step takes them (kept while none changes), or None."""
-        trusted = trusted_derived(self, "_step_plan_cached")
-        if trusted is not None:
-            return trusted
         c = self.config
         ws, _ = self._in_weights()
         in_ws = list(ws.weights) if isinstance(ws, dense.WeightParts) else list(ws)

@@ -16,7 +16,7 @@ from torch.nn.utils import parametrize
 
 from tidal.config import ModelConfig
 from tidal.model.layers import (FusedWeights, RMSNorm, compute_dtype, derived_weight, fuse_linears, keeps_apart, linear,
-                                 trusted_derived)
+                                 kept_derived)
 from tidal.ops import backends, batch_invariant
 from tidal.ops.activation import can_overwrite, situ, swiglu
 from tidal.ops import dense, fused_decode, mxfp4_moe
@@ -94,11 +94,9 @@ class KimiMLP(nn.Module):
         """The plan of the one-call step where it takes the weights (kept apart), else None."""
         return self._step_plan() if keeps_apart(self.gate_proj.weight) else None
 
+    @kept_derived("_step_plan_cached")
     def _step_plan(self) -> fused_decode.StepPlan | None:
         """The weights as the one-call step takes them (kept while none changes), or None."""
-        trusted = trusted_derived(self, "_step_plan_cached")
-        if trusted is not None:
-            return trusted
         c, ws = self.config, (self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         betas = (c.situ_beta, c.situ_linear_beta) if c.hidden_act == "situ" else None
         return derived_weight(self, "_step_plan_cached", ws, lambda: fused_decode.mlp_step_plan(*ws, betas))
@@ -577,11 +575,9 @@ class KimiMoE(nn.Module):
         """The plan of the layer's one-call decode step (packed experts, all local), else None."""
         return self._step_plan()
 
+    @kept_derived("_step_plan_cached")
     def _step_plan(self) -> fused_decode.StepPlan | None:
         """The layer as the one-call step takes it (kept while no weight changes), or None."""
-        trusted = trusted_derived(self, "_step_plan_cached")
-        if trusted is not None:
-            return trusted
         experts, c = self.experts, self.config
         if not isinstance(experts, PackedExperts) or experts.local_experts is not None:
             return None
