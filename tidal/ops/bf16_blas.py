@@ -17,12 +17,12 @@ never under deterministic inference, where every product stays in the row-invari
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
 
 from tidal.ops import batch_invariant
+from tidal.ops.switches import getenv
 
 # Rows from which oneDNN's tiles beat the C kernels' (benchmarks/bench_bf16_blas.py): a trunk product,
 # and one packed expert's group, whose bf16 dequantisation each call pays.
@@ -41,8 +41,8 @@ def _amx() -> bool:
 def min_rows(expert: bool = False) -> int | None:
     """The row count from which bfloat16 products (``expert``: one packed expert's rows) go to
     torch's matmul, or None (never). ``TIDAL_BF16_BLAS_MIN_ROWS`` sets both."""
-    env = os.environ.get("TIDAL_BF16_BLAS_MIN_ROWS")
-    if env is not None:
+    env = getenv("TIDAL_BF16_BLAS_MIN_ROWS", "")
+    if env:
         rows = int(env)
         return rows if rows > 0 else None
     if not _amx():
@@ -51,9 +51,6 @@ def min_rows(expert: bool = False) -> int | None:
 
 
 def takes(rows: int, expert: bool = False) -> bool:
-    """Whether a bfloat16 product of ``rows`` rows goes to torch's matmul on this CPU now (never one
-    row: a decode step's GEMV, asked at every product, returns before the environment is read)."""
-    if rows < 2:
-        return False
+    """Whether a bfloat16 product of ``rows`` rows goes to torch's matmul on this CPU now."""
     least = min_rows(expert)
     return least is not None and rows >= least and not batch_invariant.enabled()

@@ -32,9 +32,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from tidal.ops.switches import getenv
-
 from tidal.ops.mxfp4_table import ExpertTable
+from tidal.ops.switches import getenv
 
 logger = logging.getLogger("tidal.kernels")
 

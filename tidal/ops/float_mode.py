@@ -19,6 +19,7 @@ import os
 import torch
 
 from tidal.ops.cpu_kernels import float_mode_kernels
+from tidal.ops.switches import getenv
 
 
 def flush_denormals(on: bool = True) -> bool:
@@ -40,5 +41,5 @@ def flushing_denormals() -> bool:
 def ensure_flushing() -> None:
     """:func:`flush_denormals` on a thread that does not flush yet (a cheap check per step);
     nothing under ``TIDAL_FLUSH_DENORMALS=0`` (IEEE subnormals kept)."""
-    if os.environ.get("TIDAL_FLUSH_DENORMALS", "1") != "0" and not flushing_denormals():
+    if getenv("TIDAL_FLUSH_DENORMALS", "1") != "0" and not flushing_denormals():
         flush_denormals(True)

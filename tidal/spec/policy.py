@@ -113,7 +113,7 @@ class CostPolicy:
     _prev: dict[int, tuple[bool, float, float]] = field(default_factory=dict, repr=False)  # last step per bucket
     # What the judgements read changes only in record / record_shadow: each bucket's data carries a
     # version (and all of it one more), and winner / probe_interval are kept until theirs changes
-    # (a step asks several times; at 32 sequences recomputing them was 0.3% of a plain step).
+    # (a step asks for them several times).
     _versions: dict[int, int] = field(default_factory=dict, repr=False)
     _version: int = field(default=0, repr=False)
     _winners: dict[int, tuple[int, bool | None]] = field(default_factory=dict, repr=False)
