@@ -11,6 +11,8 @@ Two views of the same steps, one process:
   read and the rate (bytes / time), against a read-bandwidth baseline measured in the same run.
   A bfloat16 Block AttnRes model's decode step runs its layers in one C call (``model_decode_step``):
   they show as one region (``TIDAL_FUSED_DECODE=0`` for the torch ops layer by layer).
+* the step split into time inside the C kernels and torch's linear (every call timed) and the rest:
+  Python, dispatch and the small torch ops around them (what the fused steps exist to cut).
 * the torch profiler's aten table (self CPU time) of a few steps: what the dispatcher runs. The C
   kernels (ctypes calls) are not aten ops: they show as the time of their Python callers above.
 
@@ -38,7 +40,7 @@ from vs_llamacpp import checkpoint  # noqa: E402
 from tidal import LLM  # noqa: E402
 from tidal.engine import core, runner  # noqa: E402
 from tidal.model import kda, kimi, layers, mla, moe  # noqa: E402
-from tidal.ops import dense, fused_decode  # noqa: E402
+from tidal.ops import cpu_kernels, dense, fused_decode  # noqa: E402
 
 STACK: list[list] = []  # [label, start, time spent in children]
 SELF: collections.Counter = collections.Counter()
@@ -58,8 +60,11 @@ def leave() -> None:
 
 
 def region(owner, name: str, label: str | None) -> None:
-    """Time ``owner.name`` as ``label`` (None: as '<enclosing label> GEMM', for the GEMM seam)."""
-    fn = getattr(owner, name)
+    """Time ``owner.name`` as ``label`` (None: as '<enclosing label> GEMM', for the GEMM seam); nothing
+    where the tree has no such function (the script also profiles older trees)."""
+    fn = getattr(owner, name, None)
+    if fn is None:
+        return
 
     def wrapper(*args, **kwargs):
         tag = label or f"{STACK[-1][0] if STACK else 'other'} / GEMM"
@@ -93,11 +98,45 @@ def label_everything() -> None:
     # moe imports `dense` as a module, kda/mla/layers too: patching the module attribute reaches them all.
 
 
+IN_KERNELS = [0.0]  # seconds inside the C kernels and torch's linear
+
+
+def time_kernels() -> None:
+    """Time every C kernel call (each ctypes function cpu_kernels binds from now on) and torch's
+    linear into IN_KERNELS."""
+    bind = cpu_kernels._function
+
+    class Timed:
+        def __init__(self, fn) -> None:
+            object.__setattr__(self, "fn", fn)
+
+        def __call__(self, *args):
+            t0 = time.perf_counter()
+            try:
+                return self.fn(*args)
+            finally:
+                IN_KERNELS[0] += time.perf_counter() - t0
+
+        def __getattr__(self, name: str):
+            return getattr(self.fn, name)
+
+        def __setattr__(self, name: str, value) -> None:  # restype, argtypes: the function's own
+            setattr(self.fn, name, value)
+
+    def timed_bind(library: str, name: str, argtypes: list):
+        fn = bind(library, name, argtypes)
+        return Timed(fn) if fn is not None else None
+
+    cpu_kernels._function = timed_bind
+    torch.nn.functional.linear = Timed(torch.nn.functional.linear)  # (F.linear is read at each call)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = step_arguments(__doc__, 16)
     ap.add_argument("--aten-rows", type=int, default=15)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    time_kernels()  # before any kernel is bound (the getters keep what they bind)
     vocab = json.loads(args.config.read_text())["text_config"]["vocab_size"]
     llm = LLM(str(checkpoint(args.config)), dtype=args.dtype, skip_tokenizer_init=True,
               kv_cache_memory_bytes=1 << 30, max_num_batched_tokens=2048)
@@ -109,14 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         engine = decode_engine(llm, vocab, b)
         SELF.clear()
         BYTES.clear()
+        IN_KERNELS[0] = 0.0
         times = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t0)
         total = sum(times)
+        kernels = IN_KERNELS[0]
         print(f"\n### batch {b}: median {statistics.median(times) * 1e3:.2f} ms/step, "
               f"min {min(times) * 1e3:.2f} (load {os.getloadavg()[0]:.2f})")
+        print(f"in the C kernels and torch's linear {kernels / args.steps * 1e3:.2f} ms/step; the rest (Python, "
+              f"dispatch, small torch ops) {(total - kernels) / args.steps * 1e3:.2f} ms/step = "
+              f"{(total - kernels) / total:.0%}\n")
         print("| region (exclusive) | ms/step | share | weight MB/step | GB/s | of baseline |")
         print("|---|---|---|---|---|---|")
         for label, t in SELF.most_common():
